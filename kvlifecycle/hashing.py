@@ -1,0 +1,98 @@
+"""Content addressing of KV pages: a seeded hash chain over the token ids of a prefix.
+
+DESIGN.md invariant 2: a page's key depends on every token before it and on the namespace
+(a fingerprint of the model weights and config), so a rewritten history or reloaded weights
+never match a stale page.
+
+Definition (stable across processes, hosts and Python versions)::
+
+    H(x)   = BLAKE2b with a 16-byte digest (hashlib.blake2b(x, digest_size=16))
+    SEED   = b"kvlifecycle.page-chain.v1"
+    key_-1 = ROOT_KEY = 16 zero bytes
+    key_i  = H(SEED || key_{i-1} || u32_le(len(ns)) || ns || tokens_i)
+
+where ``ns`` is the namespace as UTF-8 bytes (length-prefixed so that namespace and token
+bytes cannot be confused) and ``tokens_i`` are the ``page_size`` token ids of page ``i`` as
+little-endian int64. Only full pages have keys; a partial last page is never cached.
+Python's builtin ``hash()`` is never used: it is salted per process.
+
+Operations:
+- ``page_keys(token_ids, namespace, page_size)``: keys of every full page of a prefix.
+- ``chain_key(parent, page_tokens, namespace)``: one step of the chain.
+Both the device page table (``kvlifecycle.manager``) and the host store key pages with these
+functions, so a key means the same page everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "TokenIds", "chain_key", "page_keys", "tokens_as_int64"]
+
+KEY_BYTES = 16
+SEED = b"kvlifecycle.page-chain.v1"
+ROOT_KEY = bytes(KEY_BYTES)
+
+TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+def page_keys(token_ids: TokenIds, namespace: str | bytes, page_size: int) -> list[bytes]:
+    """Keys of the full pages of ``token_ids``: ``len(token_ids) // page_size`` keys of
+    ``KEY_BYTES`` bytes each, key ``i`` covering tokens ``[0, (i + 1) * page_size)``."""
+    if page_size <= 0:
+        raise ValueError(f"page_keys: expected page_size > 0, got {page_size}")
+    tokens = tokens_as_int64(token_ids)
+    ns = _namespace_bytes(namespace)
+    num_full = tokens.size // page_size
+    data = tokens[: num_full * page_size].astype("<i8", copy=False).tobytes()
+    step = page_size * 8
+    keys: list[bytes] = []
+    parent = ROOT_KEY
+    for i in range(num_full):
+        parent = _chain(parent, ns, data[i * step:(i + 1) * step])
+        keys.append(parent)
+    return keys
+
+
+def chain_key(parent: bytes, page_tokens: TokenIds, namespace: str | bytes) -> bytes:
+    """The key of a page whose predecessor has key ``parent`` (``ROOT_KEY`` for page 0)."""
+    assert len(parent) == KEY_BYTES, f"chain_key: expected a {KEY_BYTES}-byte parent, got {len(parent)}"
+    tokens = tokens_as_int64(page_tokens)
+    return _chain(parent, _namespace_bytes(namespace), tokens.astype("<i8", copy=False).tobytes())
+
+
+def tokens_as_int64(token_ids: TokenIds) -> np.ndarray:
+    """A 1-D int64 numpy view or copy of ``token_ids`` (list, numpy array or CPU tensor)."""
+    if isinstance(token_ids, torch.Tensor):
+        array = token_ids.detach().to("cpu", torch.int64).numpy()
+    else:
+        array = np.asarray(token_ids, dtype=np.int64)
+    if array.ndim != 1:
+        raise ValueError(f"token ids: expected a 1-D sequence, got shape {tuple(array.shape)}")
+    return array
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _namespace_bytes(namespace: str | bytes) -> bytes:
+    ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
+    return struct.pack("<I", len(ns)) + ns
+
+
+def _chain(parent: bytes, ns_prefixed: bytes, page_bytes: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(SEED)
+    h.update(parent)
+    h.update(ns_prefixed)
+    h.update(page_bytes)
+    return h.digest()
