@@ -1,0 +1,364 @@
+"""`hstu-serve`: build the model if needed, start the host store and tritonserver, stop both cleanly.
+
+Order of operations:
+  start: build AOTI package (skipped when up to date) -> run dir (0700) -> host store process
+         -> tritonserver on `model_repository/` -> wait until `hstu_ranking` is ready.
+  run:   restart the host store if it dies (kv_offload and kv_lookup_alloc fail open meanwhile).
+  stop:  SIGTERM tritonserver (it unloads the models; kv_offload's finalize flushes pending
+         offloads) and wait -> SIGTERM the store (it flushes its disk write-behind queue).
+Children run in their own process groups and get SIGTERM if the launcher dies, so a Ctrl-C or a
+crash leaves no tritonserver, stub or store process behind.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, ServingSettings
+from deploy.triton_env import find_triton, install_stub, triton_env
+
+logger = logging.getLogger("hstu-serve")
+
+ENSEMBLE = "hstu_ranking"
+
+
+@dataclass
+class LaunchConfig:
+    model_repository: Path = DEFAULT_MODEL_REPOSITORY
+    host: str = "127.0.0.1"  # loopback by default; pass 0.0.0.0 explicitly to expose
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    device: str = "cpu"
+    store: str = "embedded"
+    model_config: Path | None = None  # an HSTUConfig JSON; default: the one in the model dir
+    pool_pages: int = 4096
+    lease_ttl_s: float = 30.0
+    store_dram_bytes: int = 2 << 30
+    store_disk_dir: Path | None = None
+    model_control: str = "none"  # "explicit" lets clients load/unload models
+    ready_timeout_s: float = 300.0
+    exit_timeout_s: int = 60
+    run_dir: Path | None = None  # default: a fresh directory under /tmp
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model_control not in ("none", "explicit"):
+            raise ValueError(f"model_control={self.model_control!r}: expected 'none' or 'explicit'")
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            port = getattr(self, name)
+            if not 0 < port < 65536:
+                raise ValueError(f"{name}={port}: expected a TCP port in 1..65535")
+
+
+class Server:
+    """The host store plus tritonserver, as one unit with `start()` / `stop()`."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="hstu-serve-"))
+        self.settings = ServingSettings(
+            run_dir=self.run_dir,
+            device=config.device,
+            model_dir=_model_dir_for(config.model_config),
+            store=config.store,
+            pool_pages=config.pool_pages,
+            lease_ttl_s=config.lease_ttl_s,
+        )
+        self.triton: subprocess.Popen | None = None
+        self.store: subprocess.Popen | None = None
+        self._store_restarts = 0
+        self._lock = threading.Lock()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.config.host}:{self.config.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.config.host}:{self.config.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
+
+    @property
+    def triton_log(self) -> Path:
+        return self.run_dir / "tritonserver.log"
+
+    @property
+    def store_log(self) -> Path:
+        return self.run_dir / "store.log"
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)
+        build_model(self.settings.model_dir, self.config.device, self.config.model_config)
+        if self.settings.store == "embedded":
+            self.start_store()
+        try:
+            self._start_triton()
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop tritonserver first (models flush their offloads), then the store."""
+        with self._lock:
+            if self.triton is not None:
+                _terminate(self.triton, "tritonserver", self.config.exit_timeout_s + 10)
+                self.triton = None
+            self.stop_store()
+
+    def start_store(self) -> None:
+        """Start the embedded host store (also used by tests to bring it back after a kill)."""
+        cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", self.settings.store_endpoint,
+               "--dram-bytes", str(self.config.store_dram_bytes)]
+        if self.config.store_disk_dir:
+            cmd += ["--disk-dir", str(self.config.store_disk_dir)]
+        log = open(self.store_log, "ab")
+        self.store = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+        sock = Path(self.settings.store_endpoint.removeprefix("ipc://"))
+        _wait_for(lambda: sock.exists() or self.store.poll() is not None, 30, "host store socket")
+        if self.store.poll() is not None:
+            raise RuntimeError(f"host store exited with {self.store.returncode}:\n{_tail(self.store_log)}")
+        logger.info("host store pid %d on %s", self.store.pid, self.settings.store_endpoint)
+
+    def stop_store(self) -> None:
+        if self.store is not None:
+            _terminate(self.store, "host store", 30)
+            self.store = None
+
+    def kill_store(self) -> None:
+        """SIGKILL the store (fault injection for tests); `watch()` or `start_store()` revives it."""
+        if self.store is not None:
+            self.store.kill()
+            self.store.wait()
+
+    def watch(self) -> int | None:
+        """One supervision step: restart a dead store; return tritonserver's exit code if it died."""
+        with self._lock:
+            if self.store is not None and self.store.poll() is not None:
+                self._store_restarts += 1
+                logger.warning("host store exited with %s; restarting (restart #%d)",
+                               self.store.returncode, self._store_restarts)
+                self.start_store()
+            if self.triton is not None and self.triton.poll() is not None:
+                return self.triton.returncode
+        return None
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def triton_command(self) -> list[str]:
+        install = find_triton()
+        c = self.config
+        cmd = [
+            str(install.binary),
+            f"--model-repository={c.model_repository}",
+            f"--backend-directory={install.backend_dir}",
+            f"--http-address={c.host}", f"--http-port={c.http_port}",
+            f"--grpc-address={c.host}", f"--grpc-port={c.grpc_port}",
+            f"--metrics-address={c.host}", f"--metrics-port={c.metrics_port}",
+            f"--exit-timeout-secs={c.exit_timeout_s}",
+            "--log-verbose=0",
+        ]
+        if c.model_control == "explicit":
+            cmd += ["--model-control-mode=explicit", "--load-model=*"]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        install = find_triton()
+        install_stub(install)
+        env = triton_env(install)
+        env.update(self.settings.to_env())
+        env.update(self.config.extra_env)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _start_triton(self) -> None:
+        cmd = self.triton_command()
+        log = open(self.triton_log, "ab")
+        logger.info("starting %s", shlex.join(cmd))
+        self.triton = subprocess.Popen(cmd, env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=REPO_ROOT, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _wait_ready(self) -> None:
+        url = f"http://{self.http_url}/v2/models/{ENSEMBLE}/ready"
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.triton.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.triton.returncode} before "
+                                   f"{ENSEMBLE} was ready; log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        logger.info("%s ready", ENSEMBLE)
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{ENSEMBLE} not ready after {self.config.ready_timeout_s:.0f}s; "
+                           f"log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+
+
+def build_model(model_dir: Path, device: str, model_config: Path | None = None) -> None:
+    """Run `hstu-build` (a no-op when the AOTI package is up to date)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if model_config is not None:
+        shutil.copyfile(model_config, model_dir / "hstu_config.json")
+    cmd = [sys.executable, "-m", "compute.build", "--model-dir", str(model_dir), "--device", device]
+    logger.info("building model: %s", shlex.join(cmd))
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+
+
+def _model_dir_for(model_config: Path | None) -> Path:
+    """The default model dir, or a per-config build dir so a custom config never edits the repo."""
+    if model_config is None:
+        return DEFAULT_MODEL_DIR
+    digest = hashlib.sha256(Path(model_config).read_bytes()).hexdigest()[:16]
+    return REPO_ROOT / ".cache" / "models" / digest
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this child when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _terminate(proc: subprocess.Popen, name: str, timeout_s: float) -> None:
+    """SIGTERM the child's process group, wait, then SIGKILL whatever is left of the group."""
+    if proc.poll() is None:
+        logger.info("stopping %s (pid %d)", name, proc.pid)
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0fs; killing it", name, timeout_s)
+    # Stubs and helpers share the child's process group; none may outlive it.
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="hstu-serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    p.add_argument("--host", default="127.0.0.1", help="address all endpoints bind to (default loopback)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--store", choices=["embedded", "none", "mooncake"], default="embedded")
+    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the model dir's)")
+    p.add_argument("--pool-pages", type=int, default=4096, help="device page pool size, in pages")
+    p.add_argument("--store-dram-bytes", type=int, default=2 << 30)
+    p.add_argument("--store-disk-dir", type=Path, help="enable the store's disk tier in this directory")
+    p.add_argument("--model-control", choices=["none", "explicit"], default="none")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--run-dir", type=Path, help="sockets and logs (default: a new dir under /tmp)")
+    p.add_argument("--print-env", action="store_true",
+                   help="print the environment and command for a tritonserver started by hand, and exit")
+    a = p.parse_args(argv)
+    cfg = LaunchConfig(model_repository=a.model_repository.resolve(), host=a.host, http_port=a.http_port,
+                       grpc_port=a.grpc_port, metrics_port=a.metrics_port, device=a.device, store=a.store,
+                       model_config=a.model_config, pool_pages=a.pool_pages,
+                       store_dram_bytes=a.store_dram_bytes, store_disk_dir=a.store_disk_dir,
+                       model_control=a.model_control, ready_timeout_s=a.ready_timeout, run_dir=a.run_dir)
+    return cfg, a
+
+
+def print_env(server: Server) -> None:
+    env = server.environment()
+    keys = ["PATH", "LD_LIBRARY_PATH", *server.settings.to_env()]
+    print("# environment for a tritonserver started by hand (bash):")
+    for k in keys:
+        print(f"export {k}={shlex.quote(env[k])}")
+    print(f"mkdir -p -m 700 {shlex.quote(str(server.run_dir))}")
+    if server.settings.store == "embedded":
+        print(f"python -m kvlifecycle.store --endpoint {server.settings.store_endpoint} &")
+    print(shlex.join(server.triton_command()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg, args = parse_args(argv)
+    server = Server(cfg)
+    if args.print_env:
+        print_env(server)
+        return 0
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+        print(json.dumps({"grpc": server.grpc_url, "http": f"http://{server.http_url}",
+                          "metrics": server.metrics_url, "model": ENSEMBLE,
+                          "baseline": "hstu_monolithic", "logs": str(server.run_dir)}), flush=True)
+        print(f"hstu-serve: serving {ENSEMBLE}; Ctrl-C to stop", flush=True)
+        code = None
+        while not stop.wait(1.0):
+            code = server.watch()
+            if code is not None:
+                logger.error("tritonserver exited with %s; log tail:\n%s", code, _tail(server.triton_log))
+                break
+        return 0 if code is None else 1
+    finally:
+        server.stop()
+        logger.info("stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Serving settings shared by the launcher and the Triton models, carried in the environment.
+
+Each Python-backend model instance is its own process started by tritonserver; the only channel
+from the launcher to those processes that also works for a `tritonserver` started by hand is the
+environment (`hstu-serve --print-env` prints it). This module is the one place that names those
+variables; the models call `ServingSettings.from_env()` once in `initialize`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+DEFAULT_MODEL_DIR = DEFAULT_MODEL_REPOSITORY / "hstu_compute" / "1"
+STORE_KINDS = ("embedded", "none", "mooncake", "flexkv")
+DEVICES = ("cpu", "cuda")
+
+_PREFIX = "HSTU_"
+
+
+@dataclass
+class ServingSettings:
+    """What every model process needs to know about this deployment.
+
+    run_dir holds the deployment's sockets and the published page-pool handle; it is created
+    0700 by the launcher so only this user's processes can reach the control plane.
+    """
+
+    run_dir: Path = Path("/tmp/hstu-serve")
+    device: str = "cpu"
+    model_dir: Path = DEFAULT_MODEL_DIR
+    store: str = "embedded"
+    store_endpoint: str = ""  # embedded: ipc://<run_dir>/store.sock; mooncake: master address
+    pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
+    lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
+    store_timeout_s: float = 0.5  # store RPCs on the request path give up after this
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.model_dir = Path(self.model_dir)
+        if self.device not in DEVICES:
+            raise ValueError(f"HSTU_DEVICE={self.device!r}: expected one of {DEVICES}")
+        if self.store not in STORE_KINDS:
+            raise ValueError(f"HSTU_STORE={self.store!r}: expected one of {STORE_KINDS}")
+        if self.pool_pages < 2:
+            raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
+        if self.lease_ttl_s <= 0 or self.store_timeout_s <= 0:
+            raise ValueError("HSTU_LEASE_TTL_S and HSTU_STORE_TIMEOUT_S must be > 0")
+        if self.store == "embedded" and not self.store_endpoint:
+            self.store_endpoint = f"ipc://{self.run_dir / 'store.sock'}"
+
+    @property
+    def control_endpoint(self) -> str:
+        """kv_lookup_alloc's control socket (commits, offload completions, aborts)."""
+        return f"ipc://{self.run_dir / 'control.sock'}"
+
+    @property
+    def pool_handle_path(self) -> Path:
+        """Where kv_lookup_alloc publishes the page pool's handle for the other models."""
+        return self.run_dir / "pool.json"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "ServingSettings":
+        env = os.environ if env is None else env
+        kwargs = {}
+        for f in fields(cls):
+            raw = env.get(_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            kwargs[f.name] = _parse(f.name, raw, type(f.default))
+        return cls(**kwargs)
+
+    def to_env(self) -> dict[str, str]:
+        return {_PREFIX + k.upper(): str(v) for k, v in asdict(self).items()}
+
+
+def _parse(name: str, raw: str, kind: type) -> object:
+    try:
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError as e:
+        raise ValueError(f"{_PREFIX}{name.upper()}={raw!r}: expected {kind.__name__}") from e
