@@ -1,0 +1,212 @@
+"""Clients of `hstu_ranking` (and `hstu_monolithic`): gRPC streaming and HTTP `/generate`.
+
+`hstu_ranking` is a decoupled ensemble, so Triton refuses it on HTTP `/infer` and unary gRPC;
+it answers on a gRPC bidirectional stream and on HTTP `/v2/models/<m>/generate` (DESIGN.md).
+
+    client = RankingClient("127.0.0.1:8001")            # gRPC stream
+    scores = client.score(request)                       # np.ndarray [c, num_tasks]
+    client = RankingClient("127.0.0.1:8000", http=True)  # HTTP /generate
+
+`replay(trace, ...)` is the load generator: a closed loop of `concurrency` clients, each with
+its own stream, taking the trace's requests in order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from deploy import trace as trace_mod
+from deploy.schema import ENSEMBLE, RankingRequest
+
+
+class RequestFailed(RuntimeError):
+    """The server answered with an error (bad input, pool exhausted, a failed step)."""
+
+
+class RankingClient:
+    """One connection (one gRPC stream, or HTTP keep-alive) sending one request at a time."""
+
+    def __init__(self, url: str, model: str = ENSEMBLE, http: bool = False, timeout_s: float = 60.0,
+                 headers: dict[str, str] | None = None):
+        self.url, self.model, self.http, self.timeout_s = url, model, http, timeout_s
+        self.headers = headers or {}
+        self._responses: queue.Queue = queue.Queue()
+        self._next_id = 0
+        if not http:
+            import tritonclient.grpc as grpcclient
+
+            self._grpc = grpcclient
+            self._client = grpcclient.InferenceServerClient(url)
+            self._client.start_stream(callback=lambda result, error: self._responses.put((result, error)),
+                                      headers=self.headers)
+
+    def score(self, request: RankingRequest) -> np.ndarray:
+        """Scores [c, num_tasks] for one request; raises RequestFailed on a server error."""
+        return self._score_http(request) if self.http else self._score_grpc(request)
+
+    def close(self) -> None:
+        if not self.http:
+            self._client.stop_stream()
+            self._client.close()
+
+    def __enter__(self) -> "RankingClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _score_grpc(self, request: RankingRequest) -> np.ndarray:
+        inputs = []
+        for name, arr in request.arrays().items():
+            t = self._grpc.InferInput(name, list(arr.shape), "INT64")
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        self._next_id += 1
+        request_id = str(self._next_id)
+        self._client.async_stream_infer(self.model, inputs, request_id=request_id,
+                                        outputs=[self._grpc.InferRequestedOutput("scores")])
+        while True:
+            try:
+                result, error = self._responses.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"no response from {self.model} within {self.timeout_s}s") from None
+            if error is not None:
+                raise RequestFailed(str(error))
+            if result.get_response().id != request_id:
+                continue  # a late response to an earlier, timed-out request
+            return result.as_numpy("scores")
+
+    def _score_http(self, request: RankingRequest) -> np.ndarray:
+        body = json.dumps(request.to_json()).encode()
+        req = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/generate", data=body,
+                                     headers={"Content-Type": "application/json", **self.headers})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RequestFailed(e.read().decode(errors="replace")) from None
+        scores = np.asarray(reply["scores"], dtype=np.float32)
+        return scores.reshape(len(request.candidate_ids), -1)
+
+
+@dataclass
+class ReplayResult:
+    latencies_s: list[float] = field(default_factory=list)  # per successful request, in trace order
+    scores: dict[int, np.ndarray] = field(default_factory=dict)  # trace index -> scores
+    errors: dict[int, str] = field(default_factory=dict)  # trace index -> error message
+    wall_s: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        return len(self.scores) / self.wall_s if self.wall_s else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies_s, q) * 1e3) if self.latencies_s else float("nan")
+
+
+def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurrency: int = 1,
+           http: bool = False, timeout_s: float = 60.0) -> ReplayResult:
+    """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors."""
+    result = ReplayResult()
+    lock = threading.Lock()
+    next_index = iter(range(len(trace)))
+    latencies: dict[int, float] = {}
+
+    def worker() -> None:
+        with RankingClient(url, model=model, http=http, timeout_s=timeout_s) as client:
+            while True:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                start = time.perf_counter()
+                try:
+                    scores = client.score(trace[i])
+                except (RequestFailed, TimeoutError) as e:
+                    with lock:
+                        result.errors[i] = str(e)
+                    continue
+                with lock:
+                    latencies[i] = time.perf_counter() - start
+                    result.scores[i] = scores
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result.wall_s = time.perf_counter() - start
+    result.latencies_s = [latencies[i] for i in sorted(latencies)]
+    return result
+
+
+def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path) -> float:
+    """Max abs difference between the served scores and the reference scorer's (invariant 1)."""
+    from compute import load_reference
+
+    ref = load_reference(str(model_repository))
+    worst = 0.0
+    for i, served in result.scores.items():
+        r = trace[i]
+        expected = ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
+        worst = max(worst, float(np.abs(np.asarray(served) - expected).max()))
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hstu-client", description="Send ranking requests to hstu_ranking.")
+    p.add_argument("--url", help="host:port (default 127.0.0.1:8001 for gRPC, :8000 with --http)")
+    p.add_argument("--http", action="store_true", help="use HTTP /generate instead of a gRPC stream")
+    p.add_argument("--model", default=ENSEMBLE, help="hstu_ranking or hstu_monolithic")
+    p.add_argument("--trace", type=Path, help="JSONL trace (see hstu-trace)")
+    p.add_argument("--user", type=int, help="user id (single request mode)")
+    p.add_argument("--items", help="comma-separated item ids, oldest first")
+    p.add_argument("--actions", help="comma-separated action ids, one per item")
+    p.add_argument("--candidates", help="comma-separated candidate item ids")
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--check", action="store_true", help="compare every response with the reference scorer")
+    p.add_argument("--model-repository", default="model_repository")
+    p.add_argument("--tolerance", type=float, default=1e-4)
+    a = p.parse_args(argv)
+    url = a.url or ("127.0.0.1:8000" if a.http else "127.0.0.1:8001")
+
+    if a.trace:
+        trace = trace_mod.load(a.trace)
+    elif a.user is not None and a.items and a.actions and a.candidates:
+        ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+        trace = [RankingRequest(a.user, ints(a.items), ints(a.actions), ints(a.candidates))]
+    else:
+        p.error("give --trace FILE, or --user, --items, --actions and --candidates")
+
+    result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http)
+    if len(trace) == 1 and result.scores:
+        print(json.dumps({"scores": result.scores[0].tolist()}))
+    print(f"{a.model}: {len(result.scores)}/{len(trace)} ok, {len(result.errors)} errors, "
+          f"{result.throughput:.1f} req/s, p50 {result.percentile_ms(50):.1f} ms, "
+          f"p99 {result.percentile_ms(99):.1f} ms (concurrency {a.concurrency})")
+    for i, err in list(result.errors.items())[:5]:
+        print(f"  request {i}: {err}", file=sys.stderr)
+    code = 1 if result.errors else 0
+    if a.check:
+        worst = check_scores(trace, result, a.model_repository)
+        ok = worst <= a.tolerance
+        print(f"check vs reference scorer: max abs diff {worst:.2e} ({'OK' if ok else 'FAIL'}, tolerance {a.tolerance:g})")
+        code = code or (0 if ok else 1)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

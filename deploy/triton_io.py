@@ -1,0 +1,64 @@
+"""Tensor in/out and error responses for the Python-backend models (imported only inside Triton).
+
+Tensors cross model boundaries by DLPack in both directions: it is zero-copy on the GPU and
+works with numpy 1 and 2 (the stub's numpy conversions break with numpy 2; DESIGN.md).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+logger = logging.getLogger(__name__)
+
+
+class BadRequest(ValueError):
+    """A request the client must fix; it becomes an error response and changes no state."""
+
+
+def input_tensor(request, name: str) -> torch.Tensor:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise BadRequest(f"missing input '{name}'")
+    return torch.from_dlpack(tensor.to_dlpack())
+
+
+def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":
+    return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
+
+
+def error_response(message: str) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+@dataclass
+class RankingInputs:
+    """One user's request, validated: ids in range, lengths consistent, sizes within limits."""
+
+    user_id: int
+    item_ids: torch.Tensor  # int64 [n]
+    action_ids: torch.Tensor  # int64 [n]
+    candidate_ids: torch.Tensor  # int64 [c]
+
+
+def read_ranking_request(request, config) -> RankingInputs:
+    """Parse and validate the ensemble's public inputs; raise BadRequest naming the field."""
+    from compute.tokens import validate_request  # the one place that knows the id ranges
+
+    user = input_tensor(request, "user_id").reshape(-1)
+    if user.numel() != 1:
+        raise BadRequest(f"user_id: expected shape [1], got {list(user.shape)}")
+    items = input_tensor(request, "item_ids").reshape(-1).to(torch.int64)
+    actions = input_tensor(request, "action_ids").reshape(-1).to(torch.int64)
+    candidates = input_tensor(request, "candidate_ids").reshape(-1).to(torch.int64)
+    problem = validate_request(items, actions, candidates, config)
+    if problem:
+        raise BadRequest(problem)
+    return RankingInputs(int(user.item()), items, actions, candidates)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
