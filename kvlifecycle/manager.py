@@ -1,0 +1,411 @@
+"""KVCacheManager: the owner process's KV-cache lifecycle (lookup -> allocate -> onboard ->
+compute -> commit -> offload -> offload_done), and the Offloader that puts committed pages
+into the host store and reaps the puts.
+
+Call order for one request (ARCHITECTURE.md)::
+
+    hit   = mgr.lookup(user_id, token_ids)              # LookupResult; never raises for the store
+    alloc = mgr.allocate(user_id, token_ids, hit)       # Allocation; may raise PoolExhausted
+    alloc = mgr.onboard(alloc)                          # host -> device; failures shrink cached_len
+    ... compute reads [0, alloc.cached_len) and writes [alloc.cached_len, num_tokens) ...
+    items = mgr.commit(alloc.lease_id)                  # list[OffloadItem], pinned for offload
+    # or mgr.abort(alloc.lease_id); a lease not committed in ttl_s expires (expire_leases)
+    offloader.launch(token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
+
+Promises:
+- Content addressing (DESIGN.md invariant 2): pages are found only by chain keys over the
+  whole prefix and the namespace (``kvlifecycle.hashing``); a changed history or namespace
+  misses from the first differing page on.
+- Page safety (invariant 3) lives in ``kvlifecycle.page_table.PageTable``; this class only
+  computes keys and talks to the store, never holding the table's lock during I/O.
+- Fail open (invariant 6): a store error or timeout in ``lookup`` is a miss and in ``onboard``
+  a recompute; both are counted in ``stats()`` and logged, never raised.
+
+Host store: any object with the ``kvlifecycle.store.HostStoreClient`` methods used here
+(``get_match``, ``get_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
+(device cache only, nothing offloaded).
+
+There is no per-user index: lookup hashes the request's page chain and walks the committed
+table until the first miss, which is O(pages) dictionary probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
+from kvlifecycle.page_table import Allocation, OffloadItem, PageTable, PoolExhausted
+from kvlifecycle.pool import PoolSpec, slots_for_pages
+
+if TYPE_CHECKING:
+    from kvlifecycle.store.api import HostStoreClient
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Allocation",
+    "KVCacheManager",
+    "LookupResult",
+    "OffloadItem",
+    "Offloader",
+    "PoolExhausted",
+]
+
+DEVICE_HIT = "device_hit"
+HOST_HIT = "host_hit"
+MISS = "miss"
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Where a request's prefix is cached. ``device_tokens`` are on device now (committed
+    pages ``device_pages``); ``host_tokens`` follow them in the host store. Both are whole
+    pages. ``outcome`` is ``host_hit`` when onboarding is needed, else ``device_hit`` or
+    ``miss``."""
+
+    user_id: int
+    num_tokens: int
+    keys: tuple[bytes, ...]
+    device_tokens: int
+    host_tokens: int
+    device_pages: tuple[int, ...]
+    store_error: bool = False
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+    @property
+    def outcome(self) -> str:
+        if self.host_tokens:
+            return HOST_HIT
+        return DEVICE_HIT if self.device_tokens else MISS
+
+
+class KVCacheManager:
+    """Owner-process state of the device KV cache; see the module docstring.
+
+    ``lease_ttl_s``: a lease not committed or aborted by then returns its pages (must exceed
+    the slowest compute). ``offload_ttl_s``: likewise for offload pins. ``store_timeout_s``:
+    how long ``onboard`` waits for the host store before recomputing instead."""
+
+    def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
+                 *, offload: bool | None = None, lease_ttl_s: float = 30.0,
+                 offload_ttl_s: float = 120.0, store_timeout_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not namespace:
+            raise ValueError("KVCacheManager.namespace: expected a non-empty model fingerprint, got ''")
+        self.spec = pool_spec
+        self.namespace = namespace
+        self.store = store
+        self.offload_enabled = store is not None if offload is None else offload
+        self.lease_ttl_s = lease_ttl_s
+        self.store_timeout_s = store_timeout_s
+        self.clock = clock
+        self.table = PageTable(pool_spec.num_pages, pool_spec.page_size,
+                               offload_ttl_s=offload_ttl_s, clock=clock)
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    # -- public API ---------------------------------------------------------------------
+
+    def lookup(self, user_id: int, token_ids: TokenIds) -> LookupResult:
+        """The cached prefix of ``token_ids``: device pages first, then the host store for
+        the following full pages. Never raises for the store (errors count as a miss)."""
+        tokens = tokens_as_int64(token_ids)
+        keys = tuple(page_keys(tokens, self.namespace, self.page_size))
+        device = self.table.match_prefix(keys)
+        host_pages, store_error = 0, False
+        if self.store is not None and len(device) < len(keys):
+            host_pages, store_error = self._host_match(tokens[: len(keys) * self.page_size])
+        result = LookupResult(
+            user_id=int(user_id),
+            num_tokens=int(tokens.size),
+            keys=keys,
+            device_tokens=len(device) * self.page_size,
+            host_tokens=max(0, host_pages - len(device)) * self.page_size,
+            device_pages=tuple(device),
+            store_error=store_error,
+        )
+        self.table.count(f"lookups_{result.outcome}")
+        return result
+
+    def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
+                 ttl_s: float | None = None) -> Allocation:
+        """Reserve pages for the request under a new lease. The device prefix is matched again
+        (it may have changed since ``hit``); host pages of ``hit`` beyond it are reserved for
+        onboarding. Raises ``PoolExhausted`` without changing anything."""
+        tokens = tokens_as_int64(token_ids)
+        if hit is None:
+            keys = tuple(page_keys(tokens, self.namespace, self.page_size))
+            host_pages = 0
+        else:
+            if hit.num_tokens != tokens.size or hit.user_id != int(user_id):
+                raise ValueError(
+                    f"allocate: hit is for user {hit.user_id} with {hit.num_tokens} tokens, got "
+                    f"user {user_id} with {tokens.size} tokens"
+                )
+            keys = hit.keys
+            host_pages = hit.cached_tokens // self.page_size
+        ttl = self.lease_ttl_s if ttl_s is None else ttl_s
+        return self.table.reserve(int(user_id), keys, int(tokens.size), host_pages, ttl,
+                                  tokens=tokens if host_pages else None)
+
+    def onboard(self, alloc: Allocation, timeout_s: float | None = None) -> Allocation:
+        """Copy the host-hit pages into the reserved pages and wait. On any store failure the
+        pages not copied become pages to compute: the returned allocation's ``cached_len``
+        shrinks (same page row). Raises ``LeaseGone`` when the lease was aborted meanwhile."""
+        if alloc.onboarded:
+            return alloc
+        task = self.onboard_launch(alloc.lease_id)
+        return self.onboard_wait(alloc.lease_id, task, timeout_s)
+
+    def onboard_launch(self, lease_id: int) -> int | None:
+        """Start the host -> device copy of a lease's onboard pages; returns the store task id,
+        or None when there is nothing to copy (or the store refused: the pages are then
+        recomputed once ``onboard_wait`` is called)."""
+        lease = self.table.get_lease(lease_id)
+        if lease is None or not self.table.begin_onboard(lease_id):
+            return None
+        if self.store is None:
+            return None
+        S = self.page_size
+        start, stop = lease.num_device * S, (lease.num_device + lease.num_onboard) * S
+        assert lease.tokens is not None and lease.tokens.size >= stop, (
+            f"onboard_launch: lease {lease_id} expected its token ids (>= {stop}), got "
+            f"{None if lease.tokens is None else lease.tokens.size}"
+        )
+        mask = np.zeros(stop, dtype=bool)
+        mask[start:stop] = True
+        slots = slots_for_pages(lease.page_row[lease.num_device: lease.num_device + lease.num_onboard], S)
+        try:
+            task = self.store.get_async(lease.tokens[:stop], slots, self.namespace, mask)
+        except Exception:
+            logger.warning("host store get_async failed for lease %d; recomputing %d pages",
+                           lease_id, lease.num_onboard, exc_info=True)
+            self.table.count("store_errors")
+            return None
+        self.table.set_store_task(lease_id, task)
+        return task
+
+    def onboard_wait(self, lease_id: int, task: int | None,
+                     timeout_s: float | None = None) -> Allocation:
+        """Finish an onboard started by ``onboard_launch`` and return the final allocation."""
+        lease = self.table.get_lease(lease_id)
+        if lease is None:
+            raise LeaseGone(f"onboard_wait: lease {lease_id} is unknown (aborted or expired)")
+        if lease.onboarded or not lease.onboarding:
+            return self._finish(lease_id, 0, None)
+        ok_pages, in_flight = 0, None
+        if task is not None:
+            status = self._wait_one(task, self.store_timeout_s if timeout_s is None else timeout_s)
+            if status == "SUCCESS":
+                ok_pages = lease.num_onboard
+            elif status in ("TIMEOUT", "UNREADY"):
+                in_flight = task
+                self._cancel(task)
+                logger.warning("host store onboard of lease %d timed out; recomputing %d pages",
+                               lease_id, lease.num_onboard)
+                self.table.count("store_timeouts")
+            else:
+                logger.warning("host store onboard of lease %d ended %s; recomputing %d pages",
+                               lease_id, status, lease.num_onboard)
+                self.table.count("store_errors" if status == "FAILED" else "onboard_misses")
+        return self._finish(lease_id, ok_pages, in_flight)
+
+    def commit(self, lease_id: int) -> list[OffloadItem]:
+        """Make the lease's new full pages visible; returns those to offload (pinned until
+        ``offload_done``). An unknown (expired/aborted) lease commits nothing: []."""
+        items = self.table.commit(lease_id, offload=self.offload_enabled)
+        if items is None:
+            logger.warning("commit of unknown lease %d (expired or aborted); nothing cached", lease_id)
+            return []
+        return items
+
+    def abort(self, lease_id: int) -> bool:
+        """Return every page of the lease; False when it is unknown."""
+        return self.table.abort(lease_id)
+
+    def expire_leases(self, now: float | None = None) -> list[int]:
+        """Release expired leases and offload pins, and quarantined pages whose store task
+        finished. Returns the expired lease ids."""
+        expired = self.table.expire(now)
+        self._reap_quarantine()
+        return expired
+
+    def offload_done(self, page_ids: Sequence[int], ok: bool) -> int:
+        """Drop the offload pins of ``page_ids``; ``ok`` records them as held by the host."""
+        return self.table.offload_done(page_ids, ok)
+
+    def stats(self) -> dict[str, int]:
+        return self.table.stats()
+
+    def check_invariants(self) -> None:
+        self.table.check_invariants()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _host_match(self, tokens: np.ndarray) -> tuple[int, bool]:
+        """Whole pages from position 0 the host store holds, and whether the store failed."""
+        try:
+            _task, mask = self.store.get_match(tokens, self.namespace)
+            mask = np.asarray(mask, dtype=bool)
+        except Exception:
+            logger.warning("host store get_match failed; treating as a miss", exc_info=True)
+            self.table.count("store_errors")
+            return 0, True
+        if mask.shape != tokens.shape:
+            logger.warning("host store get_match: expected a mask of shape %s, got %s; miss",
+                           tokens.shape, mask.shape)
+            self.table.count("store_errors")
+            return 0, True
+        misses = np.flatnonzero(~mask)
+        prefix = int(misses[0]) if misses.size else int(mask.size)
+        return prefix // self.page_size, False
+
+    def _wait_one(self, task: int, timeout_s: float) -> str:
+        try:
+            statuses = self.store.wait([task], timeout_s)
+            status = statuses.get(task, "FAILED")
+        except Exception:
+            logger.warning("host store wait failed for task %s", task, exc_info=True)
+            self.table.count("store_errors")
+            return "TIMEOUT"  # the copy may still run: quarantine its pages
+        return str(getattr(status, "value", status))
+
+    def _cancel(self, task: int) -> None:
+        try:
+            self.store.cancel([task])
+        except Exception:
+            logger.warning("host store cancel failed for task %s", task, exc_info=True)
+
+    def _finish(self, lease_id: int, ok_pages: int, in_flight: object) -> Allocation:
+        alloc = self.table.finish_onboard(lease_id, ok_pages, in_flight)
+        if alloc is None:
+            raise LeaseGone(f"onboard: lease {lease_id} was aborted during the onboard")
+        return alloc
+
+    def _reap_quarantine(self) -> None:
+        tasks = self.table.quarantined_tasks()
+        if not tasks or self.store is None:
+            return
+        try:
+            statuses = self.store.try_wait(tasks)
+        except Exception:
+            logger.warning("host store try_wait failed for quarantined tasks", exc_info=True)
+            return
+        for task in tasks:
+            status = str(getattr(statuses.get(task, "UNREADY"), "value", statuses.get(task)))
+            if status not in ("UNREADY", "TIMEOUT"):
+                freed = self.table.release_quarantine(task)
+                logger.info("store task %s ended %s; %d quarantined pages freed", task, status, freed)
+
+
+class LeaseGone(RuntimeError):
+    """The lease was aborted or expired while the caller still used it."""
+
+
+class Offloader:
+    """Puts committed pages into the host store and reaps the puts, off the request path.
+
+    ``launch(token_ids, items)`` submits one ``put_async`` for a commit's ``OffloadItem``s and
+    returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and for each
+    finished put calls ``done(page_ids, ok)`` (``KVCacheManager.offload_done`` or
+    ``ControlClient.offload_done``) exactly once. A put that cannot be submitted is reported
+    ``ok=False`` at once. Puts are reaped in any order; each task's pages are reported together.
+    Thread-safe (one lock around the pending table; store calls outside it)."""
+
+    def __init__(self, store: "HostStoreClient", namespace: str, page_size: int,
+                 done: Callable[[list[int], bool], object]) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.page_size = page_size
+        self.done = done
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[int]] = {}
+        self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0}
+
+    def launch(self, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
+        """Submit the put of ``items`` (pages of the request ``token_ids``); the task id, or
+        None when there was nothing to put or the store refused (pages reported failed)."""
+        if not items:
+            return None
+        tokens = tokens_as_int64(token_ids)
+        S = self.page_size
+        items = sorted(items, key=lambda it: it.prefix_len)
+        end = items[-1].prefix_len
+        page_ids = [it.page_id for it in items]
+        try:
+            assert end <= tokens.size, (
+                f"Offloader.launch: items reach token {end}, got only {tokens.size} token ids"
+            )
+            mask = np.zeros(end, dtype=bool)
+            for it in items:
+                mask[it.prefix_len - S: it.prefix_len] = True
+            task = self.store.put_async(tokens[:end], slots_for_pages(page_ids, S), self.namespace, mask)
+        except Exception:
+            logger.warning("host store put_async failed for %d pages", len(page_ids), exc_info=True)
+            self.counters["submit_errors"] += 1
+            self._report(page_ids, False)
+            return None
+        with self._lock:
+            self._pending[task] = page_ids
+            self.counters["puts"] += 1
+        return task
+
+    def reap(self) -> int:
+        """Report every finished put without blocking; returns how many were reaped."""
+        return self._collect(None)
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every pending put and report them; puts still running
+        stay pending. Returns how many were reaped."""
+        return self._collect(timeout_s)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _collect(self, timeout_s: float | None) -> int:
+        with self._lock:
+            tasks = list(self._pending)
+        if not tasks:
+            return 0
+        try:
+            statuses = self.store.try_wait(tasks) if timeout_s is None else self.store.wait(tasks, timeout_s)
+        except Exception:
+            logger.warning("host store poll failed for %d puts", len(tasks), exc_info=True)
+            return 0
+        reaped = 0
+        for task in tasks:
+            status = statuses.get(task)
+            name = str(getattr(status, "value", status))
+            if status is None or name in ("UNREADY", "TIMEOUT"):
+                continue
+            with self._lock:
+                page_ids = self._pending.pop(task, None)
+            if page_ids is None:
+                continue
+            ok = name == "SUCCESS"
+            self.counters["puts_ok" if ok else "puts_failed"] += 1
+            self._report(page_ids, ok)
+            reaped += 1
+        return reaped
+
+    def _report(self, page_ids: list[int], ok: bool) -> None:
+        try:
+            self.done(page_ids, ok)
+        except Exception:
+            logger.warning("offload_done(%d pages, ok=%s) failed; the pins expire instead",
+                           len(page_ids), ok, exc_info=True)
