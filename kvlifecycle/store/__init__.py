@@ -1,0 +1,129 @@
+"""The host KV store: pages of the device pool kept in host memory (and on disk), keyed by
+the page hash chain, behind an API shaped like FlexKV's ``KVManager``.
+
+Operations, in the order they are called (``store = open_store(kind, **cfg)``):
+
+0. ``store.register_pool(pool.handle())`` once per process that owns or attaches the pool,
+   so the store knows which memory slots refer to (sent again by the client when a restarted
+   store asks for it).
+1. Lookup: ``task_id, mask = store.get_match(token_ids, namespace)``. ``mask`` is a bool
+   array over ``token_ids``, True for the longest prefix of whole pages the store holds
+   (keys: ``kvlifecycle.hashing.page_keys(token_ids, namespace, page_size)``). Never blocks
+   longer than the RPC timeout; all-False when the store is down (fail open, invariant 6).
+2. Onboard (store -> pool), either
+   - ``store.launch([task_id], [slot_mapping])`` for a ``get_match`` task (one slot per True
+     entry of its mask), or
+   - ``task_id = store.get_async(token_ids, slot_mapping, namespace, token_mask)`` for any
+     whole pages the store holds (e.g. the held pages not already on the device).
+3. Offload (pool -> store): ``task_id = store.put_async(token_ids, slot_mapping, namespace,
+   token_mask=None)`` copies the selected whole pages' KV (all layers, K and V). The pool
+   pages must stay untouched until the task is done.
+4. Completion: ``store.wait(task_ids, timeout_s) -> {task_id: Status}`` or the non-blocking
+   ``store.try_wait(task_ids)``; a done status is returned once, then the task is forgotten.
+   ``store.cancel(task_ids)`` cancels tasks whose copy has not started.
+5. ``store.stats()`` (counters, errors), ``store.close()``.
+
+Statuses (``Status``): SUCCESS, NOTFOUND (a get found a page missing; nothing copied: recompute),
+UNREADY (``try_wait``: in flight), TIMEOUT (``wait``'s deadline passed; still in flight),
+CANCELLED, FAILED (store down, task lost, or copy failed; pool pages are free to reuse).
+
+Ordering guarantee (every backend): one client's tasks are copied in submission order, so a get
+after a put of the same pages by the same client sees the put; tasks of different clients are
+not ordered. A task is SUCCESS only when its last byte is in place.
+
+Backends (``open_store(kind, **cfg)``):
+- ``embedded`` (default): our store server process (``python -m kvlifecycle.store``, see
+  ``server.py``) over pyzmq; it attaches the pool and copies pages itself; DRAM tier (LRU,
+  byte capacity) and optional disk tier (write-behind, checksummed, survives restarts).
+  cfg: ``endpoint``, ``page_size``, ``rpc_timeout_s``, ``retry_interval_s``,
+  ``task_start_timeout_s``, ``pool_handle``.
+- ``mooncake``: Mooncake Store (``mooncake-transfer-engine``), pages as objects keyed by the
+  hex chain key; copies happen in the calling process (``mooncake.py``).
+- ``flexkv``: FlexKV's ``KVManager`` when ``import flexkv`` works (FlexKV is not on PyPI).
+- ``none``: holds nothing; matches are empty, puts succeed and are dropped, gets NOTFOUND.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvlifecycle.hashing import TokenIds, tokens_as_int64
+from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, select_pages
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Status", "HostStoreClient", "open_store", "NullStoreClient", "STORE_KINDS"]
+
+STORE_KINDS = ("embedded", "mooncake", "flexkv", "none")
+
+
+def open_store(kind: str = "embedded", **cfg: Any) -> HostStoreClient:
+    """A client of the host store backend ``kind`` (one of ``STORE_KINDS``); ``cfg`` goes to
+    that backend's client (see the module docstring)."""
+    if kind == "embedded":
+        from kvlifecycle.store.embedded import EmbeddedStoreClient
+        return EmbeddedStoreClient(**cfg)
+    if kind == "mooncake":
+        from kvlifecycle.store.mooncake import MooncakeStoreClient
+        return MooncakeStoreClient(**cfg)
+    if kind == "flexkv":
+        from kvlifecycle.store.flexkv import FlexKVStoreClient
+        return FlexKVStoreClient(**cfg)
+    if kind == "none":
+        return NullStoreClient(**cfg)
+    raise ValueError(f"open_store kind: expected one of {STORE_KINDS}, got {kind!r}")
+
+
+class NullStoreClient(HostStoreClient):
+    """The ``none`` backend: a store of zero capacity. Ordering is trivially kept: every task
+    is done when its call returns."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._ids = itertools.count(1)
+        self._done: dict[int, Status] = {}
+
+    def register_pool(self, handle: dict[str, Any]) -> bool:
+        return True
+
+    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
+        task_id = next(self._ids)
+        self._done[task_id] = Status.SUCCESS
+        return task_id, np.zeros(tokens_as_int64(token_ids).size, dtype=bool)
+
+    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds | None = None) -> int:
+        select_pages(token_ids, slot_mapping, token_mask, self.page_size, "put_async")
+        return self._finish(Status.SUCCESS)
+
+    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds) -> int:
+        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "get_async")
+        return self._finish(Status.NOTFOUND if sel.seq_pages.size else Status.SUCCESS)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
+        return None
+
+    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
+        return self.try_wait(task_ids)
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
+        return {t: self._done.pop(t, Status.FAILED) for t in task_ids}
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "none"}
+
+    def close(self) -> None:
+        return None
+
+    def _finish(self, status: Status) -> int:
+        task_id = next(self._ids)
+        self._done[task_id] = status
+        return task_id

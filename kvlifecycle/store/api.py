@@ -1,0 +1,180 @@
+"""The host store interface every backend implements (see the package docstring for the
+call order) and the checks shared by all backends."""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvlifecycle.hashing import TokenIds, tokens_as_int64
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages", "prefix_mask"]
+
+DEFAULT_WAIT_TIMEOUT_S = 20.0
+
+
+class Status(str, enum.Enum):
+    """Outcome of a store task (the statuses of FlexKV's ``KVResponse``)."""
+
+    SUCCESS = "SUCCESS"      # every page of the task was copied
+    NOTFOUND = "NOTFOUND"    # a get asked for a page the store does not hold; nothing copied
+    UNREADY = "UNREADY"      # still queued or copying (try_wait only)
+    TIMEOUT = "TIMEOUT"      # wait's deadline passed first; the task is still in flight
+    CANCELLED = "CANCELLED"  # cancelled before its copy started
+    FAILED = "FAILED"        # the store is down, lost the task, or the copy failed
+
+    @property
+    def done(self) -> bool:
+        return self not in (Status.UNREADY, Status.TIMEOUT)
+
+
+class HostStoreClient(abc.ABC):
+    """A process's handle on the host KV store. See ``kvlifecycle.store`` for the call order.
+
+    Ordering guarantee: the tasks one client submits are copied in submission order (FIFO per
+    client), so a get submitted after a put of the same pages by the same client sees that
+    put. Tasks of different clients are not ordered with respect to each other. A task reports
+    ``SUCCESS`` only after its last byte is in place (device pool for gets, host store for puts).
+    ``wait``/``try_wait`` return each task's status once it is done and then forget the task.
+    """
+
+    page_size: int
+
+    @abc.abstractmethod
+    def register_pool(self, handle: dict[str, Any]) -> bool:
+        """Tell the store which device page pool (``PagePool.handle()``) slots refer to.
+        Returns False when the store cannot be reached (it is sent again on reconnect)."""
+
+    @abc.abstractmethod
+    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
+        """``(task_id, mask)``: ``mask`` is bool over ``token_ids``, True for the longest prefix
+        of whole pages the store holds. The task is a prepared get of those pages, started by
+        ``launch``; never launching it is fine. All-False when the store is unreachable."""
+
+    @abc.abstractmethod
+    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds | None = None) -> int:
+        """Copy the KV (all layers, K and V) of the whole pages selected by ``token_mask``
+        (all full pages when None) from their pool slots into the store. ``slot_mapping`` has
+        one slot per selected token (or per token when ``token_mask`` is None)."""
+
+    @abc.abstractmethod
+    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds) -> int:
+        """Copy the whole pages selected by ``token_mask`` from the store into the pool slots
+        ``slot_mapping`` (one per selected token). NOTFOUND if any selected page is missing."""
+
+    @abc.abstractmethod
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
+        """Start the gets prepared by ``get_match``; ``slot_mappings[i]`` has one slot per
+        True entry of task ``task_ids[i]``'s mask."""
+
+    @abc.abstractmethod
+    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
+        """Block until every task is done or ``timeout_s`` passed; unfinished ones are TIMEOUT
+        (still in flight: wait again or cancel)."""
+
+    @abc.abstractmethod
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
+        """Like ``wait`` without blocking: unfinished tasks are UNREADY."""
+
+    @abc.abstractmethod
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        """Cancel tasks whose copy has not started (they report CANCELLED); best effort."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters of this client (errors, timeouts, reconnects) and of its backend."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets and threads; idempotent. In-flight tasks are abandoned."""
+
+    def __enter__(self) -> "HostStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class PageSelection:
+    """Which pages of a token sequence a put/get touches, and where they live in the pool."""
+
+    tokens: np.ndarray       # int64 [num_full_pages * page_size]: the prefix that keys them
+    seq_pages: np.ndarray    # int64 [n]: page indices within the sequence, ascending
+    pool_pages: np.ndarray   # int64 [n]: page ids in the device pool, same order
+
+
+def select_pages(token_ids: TokenIds, slot_mapping: TokenIds, token_mask: TokenIds | None,
+                 page_size: int, caller: str) -> PageSelection:
+    """Turn a FlexKV-style (tokens, slot_mapping, token_mask) into whole pages.
+
+    Raises ValueError (naming the argument and the fix) for a mask that cuts a page, a slot
+    mapping of the wrong length, or slots that are not one whole pool page per sequence page.
+    """
+    tokens = tokens_as_int64(token_ids)
+    slots = tokens_as_int64(slot_mapping)
+    num_full = tokens.size // page_size
+    if token_mask is None:
+        mask = np.zeros(tokens.size, dtype=bool)
+        mask[: num_full * page_size] = True
+        if slots.size == tokens.size:
+            slots = slots[: num_full * page_size]
+        elif slots.size != num_full * page_size:
+            raise ValueError(
+                f"{caller}: slot_mapping has {slots.size} entries; expected one per token "
+                f"({tokens.size}) or per token of a full page ({num_full * page_size})")
+    else:
+        mask = _as_bool_mask(token_mask, tokens.size, caller)
+        if slots.size != int(mask.sum()):
+            raise ValueError(
+                f"{caller}: slot_mapping has {slots.size} entries; expected one per True entry "
+                f"of token_mask ({int(mask.sum())})")
+    if mask[num_full * page_size:].any():
+        raise ValueError(
+            f"{caller}: token_mask selects tokens of the partial last page (tokens "
+            f"{num_full * page_size}..{tokens.size - 1}); only full pages are stored")
+    per_page = mask[: num_full * page_size].reshape(num_full, page_size)  # [pages, S]
+    whole = per_page.all(axis=1)
+    if (per_page.any(axis=1) != whole).any():
+        bad = int(np.flatnonzero(per_page.any(axis=1) != whole)[0])
+        raise ValueError(
+            f"{caller}: token_mask selects part of page {bad} (tokens {bad * page_size}.."
+            f"{(bad + 1) * page_size - 1}); select whole pages")
+    seq_pages = np.flatnonzero(whole).astype(np.int64)
+    by_page = slots.reshape(-1, page_size)  # [n, S]
+    first = by_page[:, 0]
+    expected = first[:, None] + np.arange(page_size, dtype=np.int64)[None, :]
+    if (first % page_size != 0).any() or (by_page != expected).any() or (first < 0).any():
+        raise ValueError(
+            f"{caller}: slot_mapping must give each selected page one whole pool page "
+            f"(slots page_id * {page_size} + 0..{page_size - 1}, in order); "
+            "build it with kvlifecycle.pool.slots_for_pages")
+    return PageSelection(tokens=tokens[: num_full * page_size], seq_pages=seq_pages,
+                         pool_pages=first // page_size)
+
+
+def prefix_mask(num_tokens: int, held_pages: int, page_size: int) -> np.ndarray:
+    """bool [num_tokens], True for the first ``held_pages`` whole pages."""
+    mask = np.zeros(num_tokens, dtype=bool)
+    mask[: held_pages * page_size] = True
+    return mask
+
+
+def _as_bool_mask(token_mask: TokenIds, size: int, caller: str) -> np.ndarray:
+    if isinstance(token_mask, torch.Tensor):
+        mask = token_mask.detach().cpu().numpy()
+    else:
+        mask = np.asarray(token_mask)
+    if mask.shape != (size,):
+        raise ValueError(f"{caller}: token_mask has shape {mask.shape}; expected ({size},) like token_ids")
+    return mask.astype(bool, copy=False)

@@ -1,0 +1,402 @@
+"""Client of the embedded store server (``python -m kvlifecycle.store``), and a helper that
+starts that server as a child process.
+
+Every RPC has a timeout. A timeout closes the socket (a fresh one is made on the next call:
+the "lazy pirate" pattern) and opens a short back-off window in which calls fail at once
+instead of waiting again. While the store is unreachable the client fails open: ``get_match``
+reports nothing held, puts and gets report FAILED, and ``stats()`` counts each error; one
+warning is logged per outage and one info line when the store answers again.
+
+Safety of giving up: a put/get request carries ``accept_by`` (the RPC deadline) and
+``start_by`` (``task_start_timeout_s`` after sending). The server refuses a request that
+arrives after ``accept_by`` and never starts a task after ``start_by``. So a task whose
+submit RPC timed out is FAILED at once, and a submitted task is reported FAILED while the
+store is unreachable only once ``start_by`` (plus a grace) passed: its pool pages can then
+be reused without the store reading or writing them later.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+
+from kvlifecycle.hashing import TokenIds, tokens_as_int64
+from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
+                                   select_pages)
+from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EmbeddedStoreClient", "StoreProcess", "start_store_process", "default_endpoint"]
+
+_GRACE_S = 1.0  # after start_by, for a copy that had just started
+
+
+@dataclass
+class _Prepared:
+    """A get prepared by get_match, not launched yet."""
+
+    tokens: np.ndarray
+    namespace: str
+    pages: int
+
+
+class EmbeddedStoreClient(HostStoreClient):
+    """``HostStoreClient`` over pyzmq (DEALER) to one store server. Thread-safe (one lock
+    around the socket). Task ids are chosen by the client, increasing from 1.
+
+    Ordering guarantee: tasks are queued by the server in the order their submit RPCs
+    arrive, and one client's RPCs are sent one at a time, so a client's tasks are copied in
+    submission order.
+    """
+
+    def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = 0.5,
+                 retry_interval_s: float = 1.0, task_start_timeout_s: float = 5.0,
+                 pool_handle: dict[str, Any] | None = None) -> None:
+        if not endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
+        if page_size <= 0 or page_size % 2:
+            raise ValueError(f"page_size: expected a positive even token count, got {page_size}")
+        if rpc_timeout_s <= 0 or retry_interval_s < 0 or task_start_timeout_s <= 0:
+            raise ValueError("rpc_timeout_s and task_start_timeout_s must be > 0, retry_interval_s >= 0")
+        self.endpoint = endpoint
+        self.page_size = page_size
+        self.rpc_timeout_s = rpc_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.task_start_timeout_s = task_start_timeout_s
+        self._pool_handle = pool_handle
+        self._client_id = uuid.uuid4().hex
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._ids = itertools.count(1)
+        self._up = True
+        self._down_until = 0.0
+        self._local: dict[int, Status] = {}           # decided here (empty, refused, unreachable)
+        self._remote: dict[int, float] = {}           # submitted: task -> start_by
+        self._prepared: dict[int, _Prepared] = {}     # get_match tasks not launched yet
+        self._counters = collections.Counter[str]()
+        self._closed = False
+
+    # -- public API ---------------------------------------------------------------------
+
+    def register_pool(self, handle: dict[str, Any]) -> bool:
+        self._pool_handle = handle
+        reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle})
+        return reply is not None and reply["rpc"] == RpcStatus.OK.value
+
+    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
+        tokens = tokens_as_int64(token_ids)
+        num_full = tokens.size // self.page_size
+        task_id = next(self._ids)
+        pages = 0
+        if num_full:
+            reply = self._rpc({"op": Op.MATCH.value, "ns": namespace, "page_size": self.page_size},
+                              {"tokens": tokens[: num_full * self.page_size]})
+            if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+                pages = int(reply["pages"])
+                assert 0 <= pages <= num_full, f"get_match: store claims {pages} of {num_full} pages"
+            elif reply is not None:
+                self._count_refusal("match", reply)
+        with self._lock:
+            self._prepared[task_id] = _Prepared(tokens[: pages * self.page_size], namespace, pages)
+        self._counters["match_pages"] += pages
+        return task_id, prefix_mask(tokens.size, pages, self.page_size)
+
+    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds | None = None) -> int:
+        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "put_async")
+        return self._submit(Op.PUT, next(self._ids), sel.tokens, sel.seq_pages, sel.pool_pages, namespace)
+
+    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                  token_mask: TokenIds) -> int:
+        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "get_async")
+        return self._submit(Op.GET, next(self._ids), sel.tokens, sel.seq_pages, sel.pool_pages, namespace)
+
+    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
+        if len(task_ids) != len(slot_mappings):
+            raise ValueError(f"launch: {len(task_ids)} task_ids but {len(slot_mappings)} slot_mappings")
+        for task_id, slots in zip(task_ids, slot_mappings):
+            with self._lock:
+                prep = self._prepared.pop(task_id, None)
+            if prep is None:
+                raise ValueError(f"launch: task {task_id} is not a get_match task waiting for launch")
+            mask = np.ones(prep.tokens.size, dtype=bool)
+            sel = select_pages(prep.tokens, slots, mask, self.page_size, f"launch (task {task_id})")
+            self._submit(Op.GET, task_id, sel.tokens, sel.seq_pages, sel.pool_pages, prep.namespace)
+
+    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, Status] = {}
+        pending = list(task_ids)
+        pause = 0.0005
+        while True:
+            for task_id, status in self.try_wait(pending).items():
+                if status is not Status.UNREADY:
+                    out[task_id] = status
+            pending = [t for t in pending if t not in out]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.01)
+        out.update({t: Status.TIMEOUT for t in pending})
+        return {t: out[t] for t in task_ids}
+
+    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
+        out: dict[int, Status] = {}
+        remote: list[int] = []
+        with self._lock:
+            for task_id in task_ids:
+                if task_id in self._local:
+                    out[task_id] = self._local.pop(task_id)
+                elif task_id in self._prepared:
+                    out[task_id] = Status.UNREADY
+                elif task_id in self._remote:
+                    remote.append(task_id)
+                else:
+                    raise ValueError(f"try_wait: unknown task {task_id} (never submitted, or already reaped)")
+        if not remote:
+            return out
+        reply = self._rpc({"op": Op.POLL.value, "tasks": remote})
+        now = time.monotonic()
+        with self._lock:
+            for task_id in remote:
+                if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+                    status = Status(reply["tasks"][str(task_id)])
+                elif now > self._remote[task_id] + _GRACE_S:
+                    status = Status.FAILED  # unreachable past start_by: it will never run
+                else:
+                    status = Status.UNREADY
+                if status.done:
+                    del self._remote[task_id]
+                    self._counters[f"task_{status.value.lower()}"] += 1
+                out[task_id] = status
+        return out
+
+    def cancel(self, task_ids: Sequence[int]) -> None:
+        remote: list[int] = []
+        with self._lock:
+            for task_id in task_ids:
+                if self._prepared.pop(task_id, None) is not None:
+                    self._local[task_id] = Status.CANCELLED
+                elif task_id in self._remote:
+                    remote.append(task_id)
+        if remote:
+            self._rpc({"op": Op.CANCEL.value, "tasks": remote})
+
+    def ping(self) -> bool:
+        reply = self._rpc({"op": Op.PING.value})
+        return reply is not None and reply["rpc"] == RpcStatus.OK.value
+
+    def server_stats(self) -> dict[str, Any] | None:
+        """The server's counters (``stats`` RPC), or None when unreachable."""
+        reply = self._rpc({"op": Op.STATS.value})
+        return reply["stats"] if reply is not None and reply["rpc"] == RpcStatus.OK.value else None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"backend": "embedded", "endpoint": self.endpoint, "up": self._up,
+                    "pending_tasks": len(self._remote), **self._counters}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._drop_socket()
+            self._ctx.term()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _submit(self, op: Op, task_id: int, tokens: np.ndarray, seq_pages: np.ndarray,
+                pool_pages: np.ndarray, namespace: str) -> int:
+        if seq_pages.size == 0:
+            with self._lock:
+                self._local[task_id] = Status.SUCCESS
+            return task_id
+        now = time.monotonic()
+        start_by = now + self.task_start_timeout_s
+        header = {"op": op.value, "task": task_id, "ns": namespace, "page_size": self.page_size,
+                  "start_by": start_by}
+        arrays = {"tokens": tokens, "seq_pages": seq_pages, "pool_pages": pool_pages}
+        reply = self._rpc(header, arrays, accept_deadline=True)
+        with self._lock:
+            if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+                self._remote[task_id] = start_by
+                self._counters[f"{op.value}_submitted"] += 1
+            else:
+                if reply is not None:
+                    self._count_refusal(op.value, reply)
+                self._local[task_id] = Status.FAILED
+                self._counters[f"{op.value}_failed"] += 1
+        return task_id
+
+    def _rpc(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
+             accept_deadline: bool = False, retried: bool = False) -> dict[str, Any] | None:
+        """One request/reply; None when the store is unreachable (counted and logged)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("EmbeddedStoreClient: used after close()")
+            now = time.monotonic()
+            if now < self._down_until:
+                self._counters["rpc_skipped_while_down"] += 1
+                return None
+            self._seq += 1
+            seq = self._seq
+            deadline = now + self.rpc_timeout_s
+            request = {**header, "seq": seq, "client": self._client_id}
+            if accept_deadline:
+                # The server refuses the request after this, so the caller may give up at the deadline.
+                request["accept_by"] = now + self.rpc_timeout_s / 2
+            reply = self._exchange(encode(request, arrays), seq, deadline)
+            if reply is None:
+                self._mark_down(header["op"])
+                return None
+            self._mark_up()
+        if reply["rpc"] == RpcStatus.NO_POOL.value and self._pool_handle is not None and not retried:
+            if self.register_pool(self._pool_handle):
+                return self._rpc(header, arrays, accept_deadline, retried=True)
+        return reply
+
+    def _exchange(self, frames: list[bytes], seq: int, deadline: float) -> dict[str, Any] | None:
+        """Send and wait for the reply with ``seq``; None on timeout (socket dropped)."""
+        sock = self._socket()
+        if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
+            self._drop_socket()
+            return None
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop_socket()
+            return None
+        while True:
+            if not sock.poll(_ms_left(deadline), zmq.POLLIN):
+                self._drop_socket()
+                return None
+            raw = sock.recv_multipart()
+            try:
+                reply, _arrays = decode(raw[1:] if raw and raw[0] == b"" else raw)
+            except ValueError:
+                logger.error("embedded store: malformed reply dropped", exc_info=True)
+                self._counters["bad_replies"] += 1
+                continue
+            if reply.get("seq") == seq:
+                return reply
+            self._counters["stale_replies"] += 1
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the store is connected
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _mark_down(self, op: str) -> None:
+        self._counters["errors"] += 1
+        self._counters["rpc_timeouts"] += 1
+        self._down_until = time.monotonic() + self.retry_interval_s
+        if self._up:
+            self._up = False
+            self._counters["outages"] += 1
+            logger.warning("host store %s unreachable (%s timed out after %.3f s); failing open "
+                           "(misses, FAILED tasks) until it answers", self.endpoint, op, self.rpc_timeout_s)
+
+    def _mark_up(self) -> None:
+        if not self._up:
+            self._up = True
+            self._counters["reconnects"] += 1
+            logger.info("host store %s answers again", self.endpoint)
+
+    def _count_refusal(self, what: str, reply: dict[str, Any]) -> None:
+        self._counters["errors"] += 1
+        self._counters[f"rpc_{reply['rpc']}"] += 1
+        logger.warning("host store refused %s: %s (%s)", what, reply["rpc"], reply.get("error", ""))
+
+
+@dataclass
+class StoreProcess:
+    """A store server child process started by ``start_store_process``."""
+
+    proc: subprocess.Popen
+    endpoint: str
+    log_path: Path
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (flushes the disk queue), then SIGKILL after ``timeout_s``. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.error("store pid %d ignored SIGTERM for %.0f s; killing it", self.proc.pid, timeout_s)
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def default_endpoint() -> str:
+    """``ipc://`` in a fresh private (0700) temporary directory."""
+    return f"ipc://{tempfile.mkdtemp(prefix='kvstore-')}/store.sock"
+
+
+def start_store_process(endpoint: str, dram_bytes: int, pool_handle: dict[str, Any] | None = None,
+                        disk_dir: Path | None = None, log_path: Path | None = None,
+                        extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0) -> StoreProcess:
+    """Start ``python -m kvlifecycle.store`` and wait until it answers ``ping``."""
+    cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", endpoint, "--dram-bytes", str(dram_bytes)]
+    if pool_handle is not None:
+        cmd += ["--pool-handle", json.dumps(pool_handle)]
+    if disk_dir is not None:
+        cmd += ["--disk-dir", str(disk_dir)]
+    cmd += list(extra_args)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="kvstore-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    handle = StoreProcess(proc, endpoint, log_path)
+    probe = EmbeddedStoreClient(endpoint, page_size=2, rpc_timeout_s=0.2, retry_interval_s=0.0)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not probe.ping():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                handle.kill()
+                raise RuntimeError(f"store server did not start ({' '.join(cmd[:6])} ...); log "
+                                   f"{log_path}:\n{log_path.read_text()[-2000:]}")
+    finally:
+        probe.close()
+    return handle
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))

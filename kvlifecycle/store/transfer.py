@@ -1,0 +1,101 @@
+"""Batched page copies between the device page pool and host page tensors.
+
+Pool: ``[num_layers, num_pages, 2, page_size, num_heads, head_dim]``. Host pages are stored
+page-major, ``[n, num_layers, 2, page_size, num_heads, head_dim]``, so one page is one
+contiguous run of bytes (a disk file, a Mooncake value).
+
+Every call moves all requested pages at once (``index_select`` / ``index_copy_``), never a
+Python loop per page. On CUDA the copies run on the copier's own stream and the call returns
+after that stream's event completed; host memory should then be pinned, and host-side
+copies are issued per run of consecutive host rows (one ``copy_`` per run, usually one).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PageCopier", "host_page_shape"]
+
+
+def host_page_shape(pool_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """[num_layers, 2, page_size, num_heads, head_dim] of one page in host memory."""
+    num_layers, _num_pages, two, page_size, num_heads, head_dim = pool_shape
+    return (num_layers, two, page_size, num_heads, head_dim)
+
+
+class PageCopier:
+    """Copies pages between one pool tensor and host page tensors. Not thread-safe: one
+    copier per copying thread. Calls are synchronous and ordered: when a call returns, its
+    bytes are in place."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        assert pool.dim() == 6 and pool.shape[2] == 2, (
+            f"PageCopier: expected a pool [L, P, 2, S, H, D], got shape {tuple(pool.shape)}")
+        self.pool = pool
+        self.page_shape = host_page_shape(tuple(pool.shape))
+        self._cuda = pool.is_cuda
+        self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
+
+    # -- public API ---------------------------------------------------------------------
+
+    def gather(self, pool_pages: np.ndarray, out: torch.Tensor, rows: np.ndarray) -> None:
+        """Offload: ``out[rows[i]] = pool[:, pool_pages[i]]`` for every i."""
+        if len(pool_pages) == 0:
+            return
+        pages = torch.from_numpy(np.ascontiguousarray(pool_pages, dtype=np.int64))
+        host_rows = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        if not self._cuda:
+            staged = self.pool.index_select(1, pages)  # [L, n, 2, S, H, D]
+            out.index_copy_(0, host_rows, staged.transpose(0, 1))  # rows of [n, L, 2, S, H, D]
+            return
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            dev_pages = pages.to(self.pool.device, non_blocking=True)
+            staged = self.pool.index_select(1, dev_pages).transpose(0, 1).contiguous()  # [n, L, 2, S, H, D]
+            for start, row, length in _runs(rows):
+                out[row:row + length].copy_(staged[start:start + length], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+    def scatter(self, src: torch.Tensor, rows: np.ndarray, pool_pages: np.ndarray) -> None:
+        """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i."""
+        if len(pool_pages) == 0:
+            return
+        pages = torch.from_numpy(np.ascontiguousarray(pool_pages, dtype=np.int64))
+        host_rows = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        if not self._cuda:
+            staged = src.index_select(0, host_rows)  # [n, L, 2, S, H, D]
+            self.pool.index_copy_(1, pages, staged.transpose(0, 1))
+            return
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            staged = torch.empty((len(rows), *self.page_shape), dtype=self.pool.dtype,
+                                 device=self.pool.device)
+            for start, row, length in _runs(rows):
+                staged[start:start + length].copy_(src[row:row + length], non_blocking=True)
+            dev_pages = pages.to(self.pool.device, non_blocking=True)
+            self.pool.index_copy_(1, dev_pages, staged.transpose(0, 1))
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(index into rows, first row, length) for each run of consecutive rows."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [rows.size]))
+    return [(int(s), int(rows[s]), int(e - s)) for s, e in zip(starts, ends)]
