@@ -1,0 +1,156 @@
+"""``PagedBatch``: the jagged batch of users the paged forward scores in one call.
+
+Operations, in the order they are called:
+1. ``PagedBatch.from_requests([(new_tokens, cached_len, page_row, candidate_ids), ...])``
+   concatenates the users' inputs (CPU int64 tensors, ARCHITECTURE.md).
+2. ``batch.check(kv_pool, config)`` returns ``None`` or a message saying what does not fit the
+   pool and the model (the runners call it before every forward: an out-of-range index inside a
+   compiled graph is memory corruption, not an exception).
+3. ``batch.graph_inputs(kv_pool)`` is the exact argument tuple of the exported forward: the
+   contract's tensors on the pool's device plus two shape carriers (empty-ish tensors whose
+   LENGTH is the longest user's number of new tokens and of candidates), so the graph needs
+   no data-dependent shapes. Callers never see the carriers.
+
+This module imports only torch: a process serving the AOTI package needs no model classes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GRAPH_INPUT_NAMES", "PagedBatch", "Request"]
+
+# The exported forward's positional arguments, in order.
+GRAPH_INPUT_NAMES = ("kv_pool", "new_tokens", "new_offsets", "cached_lens", "page_table",
+                     "candidates", "cand_offsets", "new_len_shape", "cand_len_shape")
+
+_IntSeq = Union[Sequence[int], np.ndarray, torch.Tensor]
+Request = tuple[_IntSeq, int, _IntSeq, _IntSeq]  # (new_tokens, cached_len, page_row, candidate_ids)
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """B users' work for one paged forward. All int64.
+
+    User ``b`` has cached tokens ``[0, cached_lens[b])`` in the pool, new tokens
+    ``new_tokens[new_offsets[b]:new_offsets[b+1]]`` at positions from ``cached_lens[b]`` on,
+    pages ``page_table[b]`` (padded with 0 past its own row) covering cached and new tokens, and
+    candidates ``candidates[cand_offsets[b]:cand_offsets[b+1]]``. Scores come back as
+    [C, num_tasks] in the order of ``candidates``."""
+
+    new_tokens: torch.Tensor  # [T]
+    new_offsets: torch.Tensor  # [B+1]
+    cached_lens: torch.Tensor  # [B]
+    page_table: torch.Tensor  # [B, max_pages]
+    candidates: torch.Tensor  # [C]
+    cand_offsets: torch.Tensor  # [B+1]
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request]) -> "PagedBatch":
+        """One batch from ``(new_tokens, cached_len, page_row, candidate_ids)`` per user.
+        Raises ``ValueError`` naming the user and field for a malformed entry."""
+        if len(requests) == 0:
+            raise ValueError("PagedBatch.from_requests: expected at least one request, got none")
+        tokens, cands, rows, cached = [], [], [], []
+        for b, request in enumerate(requests):
+            if len(request) != 4:
+                raise ValueError(f"request {b}: expected (new_tokens, cached_len, page_row, candidate_ids), "
+                                 f"got {len(request)} fields")
+            new_tokens, cached_len, page_row, candidate_ids = request
+            tokens.append(_int64_1d(new_tokens, f"request {b} new_tokens"))
+            rows.append(_int64_1d(page_row, f"request {b} page_row"))
+            cands.append(_int64_1d(candidate_ids, f"request {b} candidate_ids"))
+            cached.append(int(cached_len))
+            if cached[-1] < 0:
+                raise ValueError(f"request {b} cached_len: expected >= 0, got {cached[-1]}")
+            if cands[-1].numel() == 0:
+                raise ValueError(f"request {b} candidate_ids: expected at least one candidate, got none")
+        max_pages = max(1, max(row.numel() for row in rows))
+        page_table = torch.zeros(len(rows), max_pages, dtype=torch.int64)  # [B, max_pages]
+        for b, row in enumerate(rows):
+            page_table[b, :row.numel()] = row
+        return cls(
+            new_tokens=torch.cat(tokens),
+            new_offsets=_offsets([t.numel() for t in tokens]),
+            cached_lens=torch.tensor(cached, dtype=torch.int64),
+            page_table=page_table,
+            candidates=torch.cat(cands),
+            cand_offsets=_offsets([c.numel() for c in cands]),
+        )
+
+    @property
+    def num_users(self) -> int:
+        return self.cached_lens.shape[0]
+
+    @property
+    def num_candidates(self) -> int:
+        return self.candidates.shape[0]
+
+    def check(self, kv_pool: torch.Tensor, page_size: int, vocab_size: int, item_vocab: int) -> str | None:
+        """``None`` when the batch fits the pool ``[L, P, 2, S, H, D]`` and the token space,
+        else a message naming the user and what is wrong. Runs on the host, O(B + T + C)."""
+        num_pages, pool_page_size = kv_pool.shape[1], kv_pool.shape[3]
+        if pool_page_size != page_size:
+            return f"kv_pool: expected page_size {page_size} on dim 3, got {pool_page_size}"
+        new_lens = (self.new_offsets[1:] - self.new_offsets[:-1]).tolist()
+        cached = self.cached_lens.tolist()
+        for b in range(self.num_users):
+            if cached[b] % page_size != 0:
+                return f"user {b} cached_len: expected a multiple of page_size {page_size}, got {cached[b]}"
+            needed = -(-(cached[b] + new_lens[b]) // page_size)  # pages holding cached + new tokens
+            if needed > self.page_table.shape[1]:
+                return (f"user {b} page_row: {cached[b] + new_lens[b]} tokens need {needed} pages, "
+                        f"the page table has {self.page_table.shape[1]}")
+            row = self.page_table[b, :needed]
+            if needed and (int(row.min()) < 0 or int(row.max()) >= num_pages):
+                return f"user {b} page_row: expected page ids in [0, {num_pages - 1}], got {row.tolist()}"
+        if self.new_tokens.numel() and (int(self.new_tokens.min()) < 1 or int(self.new_tokens.max()) >= vocab_size):
+            return f"new_tokens: expected token ids in [1, {vocab_size - 1}]"
+        if int(self.candidates.min()) < 1 or int(self.candidates.max()) >= item_vocab:
+            return f"candidates: expected item ids in [1, {item_vocab - 1}]"
+        return None
+
+    def graph_inputs(self, kv_pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Arguments of the exported forward, in ``GRAPH_INPUT_NAMES`` order, on the pool's device."""
+        device = kv_pool.device
+        max_new = int((self.new_offsets[1:] - self.new_offsets[:-1]).max())
+        max_cand = int((self.cand_offsets[1:] - self.cand_offsets[:-1]).max())
+        return (
+            kv_pool,
+            self.new_tokens.to(device),
+            self.new_offsets.to(device),
+            self.cached_lens.to(device),
+            self.page_table.to(device),
+            self.candidates.to(device),
+            self.cand_offsets.to(device),
+            torch.empty(max_new, dtype=torch.int8, device=device),  # shape carrier [Mn]
+            torch.empty(max_cand, dtype=torch.int8, device=device),  # shape carrier [Mc]
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _int64_1d(values: _IntSeq, name: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().cpu()
+    else:
+        tensor = torch.as_tensor(np.asarray(values, dtype=np.int64))
+    if tensor.dtype != torch.int64 or tensor.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D int64 sequence, got {tensor.dtype} {tuple(tensor.shape)}")
+    return tensor
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    """int64 [B+1] exclusive prefix sums of ``lengths``."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return offsets

@@ -1,0 +1,63 @@
+"""The reference scorer: the project's oracle for DESIGN.md invariant 1 (cached == uncached).
+
+``load_reference(repo_dir)`` loads the weights the server serves (``<repo_dir>/hstu_compute/1``,
+or ``repo_dir`` itself when it holds ``hstu_config.json``) and returns a ``ReferenceScorer``,
+whose ``score`` runs the stateless full forward (``HSTUModel.reference_scores``) on the CPU in
+float32: no pages, no cache, no batching.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compute.checkpoint import load_model
+from compute.config import CONFIG_FILENAME, HSTUConfig
+from compute.tokens import Ids, check_request, history_tokens, ids_as_tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MODEL_SUBDIR", "ReferenceScorer", "load_reference", "resolve_model_dir"]
+
+MODEL_SUBDIR = Path("hstu_compute") / "1"
+
+
+class ReferenceScorer:
+    """Scores one user's request with the full forward over the whole history."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        self.model_dir = Path(model_dir)
+        self.model = load_model(self.model_dir, "cpu").float()
+        self.config: HSTUConfig = self.model.config
+
+    def score(self, user_id: int, item_ids: Ids, action_ids: Ids, candidate_ids: Ids) -> np.ndarray:
+        """float32 [c, num_tasks] logits. ``user_id`` does not reach the model (no contextual
+        tokens; see compute.model). Raises ``ValueError`` naming the field for a bad request."""
+        error = check_request(item_ids, action_ids, candidate_ids, self.config)
+        if error is not None:
+            raise ValueError(error)
+        tokens = history_tokens(item_ids, action_ids, self.config)  # [2n]
+        candidates = ids_as_tensor(candidate_ids, "candidate_ids")  # [c]
+        with torch.no_grad():
+            scores = self.model.reference_scores(tokens, candidates)
+        return scores.numpy()
+
+
+def load_reference(repo_dir: str | os.PathLike = "model_repository") -> ReferenceScorer:
+    """The reference scorer over the model folder found from ``repo_dir`` (see module docstring)."""
+    return ReferenceScorer(resolve_model_dir(repo_dir))
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """``path`` when it holds ``hstu_config.json``, else ``path/hstu_compute/1``."""
+    folder = Path(path)
+    if (folder / CONFIG_FILENAME).exists():
+        return folder
+    candidate = folder / MODEL_SUBDIR
+    if not (candidate / CONFIG_FILENAME).exists():
+        raise FileNotFoundError(f"{path}: no {CONFIG_FILENAME} there or in {candidate}")
+    return candidate

@@ -1,0 +1,93 @@
+"""Runners of the paged forward: ``run(kv_pool, batch) -> scores`` over the AOTI package or the
+eager ``nn.Module``. Both promise the same thing (docs/ARCHITECTURE.md):
+
+- ``kv_pool`` [L, P, 2, S, H, D] in the config's dtype on the runner's device, written in place:
+  K/V of every new token for every layer;
+- ``batch`` a ``PagedBatch``; it is checked against the pool and the token space first and a
+  ``ValueError`` says what does not fit (nothing is written then);
+- returns float32 [C, num_tasks] on the pool's device, in the order of ``batch.candidates``.
+
+``load_compiled`` refuses a package whose build key does not match the folder's current config,
+weights, model source, torch version and device: serving stale weights under a new KV namespace
+would break DESIGN.md invariant 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compute.batch import PagedBatch
+from compute.build import build_key, package_path, read_build_key
+from compute.checkpoint import load_model
+from compute.config import HSTUConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Runner", "load_compiled", "load_eager"]
+
+Runner = Callable[[torch.Tensor, PagedBatch], torch.Tensor]
+
+
+def load_eager(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
+    """Runner over ``HSTUModel.forward`` on ``device`` (no compilation)."""
+    model = load_model(model_dir, device)
+    config = model.config
+
+    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        _check(kv_pool, batch, config)
+        with torch.no_grad():
+            return model(*batch.graph_inputs(kv_pool))
+
+    return run
+
+
+def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
+    """Runner over the AOTI package ``hstu_<device>.pt2`` (``hstu-build`` writes it). Raises
+    ``FileNotFoundError`` when it is missing and ``RuntimeError`` when it is stale."""
+    folder = Path(model_dir)
+    device_type = torch.device(device).type
+    path = package_path(folder, device_type)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no AOTI package; run `hstu-build --model-dir {folder} --device {device_type}`")
+    expected, found = build_key(folder, device_type), read_build_key(folder, device_type)
+    if expected != found:
+        raise RuntimeError(f"{path} is stale (build key differs from the folder's config/weights/torch); "
+                           f"run `hstu-build --model-dir {folder} --device {device_type}`")
+    config = HSTUConfig.load(folder)
+    index = torch.device(device).index
+    if device_type == "cuda":
+        compiled = torch._inductor.aoti_load_package(str(path), device_index=index or 0)
+    else:
+        compiled = torch._inductor.aoti_load_package(str(path))
+    logger.info("loaded AOTI package %s", path)
+
+    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        _check(kv_pool, batch, config)
+        with torch.no_grad():
+            return compiled(*batch.graph_inputs(kv_pool))
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _check(kv_pool: torch.Tensor, batch: PagedBatch, config: HSTUConfig) -> None:
+    expected = (config.num_layers, 2, config.page_size, config.num_heads, config.head_dim)
+    got = (kv_pool.shape[0], *kv_pool.shape[2:]) if kv_pool.dim() == 6 else tuple(kv_pool.shape)
+    if got != expected:
+        raise ValueError(f"kv_pool: expected shape [{config.num_layers}, P, 2, {config.page_size}, "
+                         f"{config.num_heads}, {config.head_dim}], got {list(kv_pool.shape)}")
+    if kv_pool.dtype != config.torch_dtype:
+        raise ValueError(f"kv_pool: expected dtype {config.torch_dtype}, got {kv_pool.dtype}")
+    if not kv_pool.is_contiguous():
+        raise ValueError("kv_pool: expected a contiguous tensor (it is written through a flat view)")
+    error = batch.check(kv_pool, config.page_size, config.vocab_size, config.item_vocab)
+    if error is not None:
+        raise ValueError(error)

@@ -1,0 +1,114 @@
+"""Token ids of a request, and the checks that reject a bad request before it touches the cache.
+
+The token contract (docs/ARCHITECTURE.md), built in one place, ``history_tokens``:
+- a history of ``n`` events is ``2n`` tokens, interleaved ``[item_0, action_0, item_1, ...]``;
+- an item token is its item id, ``1..item_vocab-1`` (0 is padding and never a valid item);
+- an action token is ``item_vocab + action_id``, ``action_id`` in ``0..action_vocab-1``;
+- candidates are item tokens, never cached.
+
+Checks, each returning ``None`` when the input is good or a message naming the field:
+- ``check_ids(name, ids, low, high)``: 1-D int64 ids in ``[low, high)``;
+- ``check_request(item_ids, action_ids, candidate_ids, config)``: every rule of a request
+  (dtypes, lengths equal, history not longer than ``max_history_events``, ``1 <= c <=
+  max_candidates``, every id in range). Triton models call it first and turn a message into an
+  error response for that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+from compute.config import HSTUConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Ids", "check_ids", "check_request", "history_tokens", "ids_as_tensor"]
+
+Ids = Union[Sequence[int], np.ndarray, torch.Tensor]
+
+
+def history_tokens(item_ids: Ids, action_ids: Ids, config: HSTUConfig) -> torch.Tensor:
+    """int64 tensor [2n] ``[item_0, item_vocab + action_0, item_1, ...]`` (CPU).
+
+    Raises ``ValueError`` naming the field when the ids break the contract (see
+    ``check_request``; candidates are not checked here)."""
+    items = ids_as_tensor(item_ids, "item_ids")
+    actions = ids_as_tensor(action_ids, "action_ids")
+    error = _check_history(items, actions, config)
+    if error is not None:
+        raise ValueError(error)
+    tokens = torch.stack([items, actions + config.item_vocab], dim=1)  # [n, 2]
+    return tokens.reshape(-1)  # [2n], item then action per event
+
+
+def check_request(item_ids: Ids, action_ids: Ids, candidate_ids: Ids, config: HSTUConfig) -> str | None:
+    """``None`` when the request is valid, else one message naming the first bad field."""
+    try:
+        items = ids_as_tensor(item_ids, "item_ids")
+        actions = ids_as_tensor(action_ids, "action_ids")
+        candidates = ids_as_tensor(candidate_ids, "candidate_ids")
+    except ValueError as e:
+        return str(e)
+    error = _check_history(items, actions, config)
+    if error is not None:
+        return error
+    c = candidates.numel()
+    if not 1 <= c <= config.max_candidates:
+        return f"candidate_ids: expected 1..{config.max_candidates} candidates, got {c}"
+    return check_ids("candidate_ids", candidates, 1, config.item_vocab)
+
+
+def check_ids(name: str, ids: torch.Tensor, low: int, high: int) -> str | None:
+    """``None`` when every id is in ``[low, high)``, else a message naming ``name`` and the
+    first offending position and value."""
+    if ids.numel() == 0:
+        return None
+    bad = (ids < low) | (ids >= high)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        return (f"{name}: expected ids in [{low}, {high - 1}], "
+                f"got {int(ids[position])} at position {position}")
+    return None
+
+
+def ids_as_tensor(ids: Ids, name: str) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of ``ids``. Arrays and tensors must already be int64 (a request
+    with the wrong dtype is rejected, not cast); Python sequences of ints are converted.
+    Raises ``ValueError`` naming ``name``."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype != torch.int64:
+            raise ValueError(f"{name}: expected dtype int64, got {ids.dtype}")
+        tensor = ids.detach().cpu()
+    elif isinstance(ids, np.ndarray):
+        if ids.dtype != np.int64:
+            raise ValueError(f"{name}: expected dtype int64, got {ids.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(ids))
+    else:
+        values = list(ids)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"{name}: expected integer ids")
+        tensor = torch.tensor(values, dtype=torch.int64)
+    if tensor.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_history(items: torch.Tensor, actions: torch.Tensor, config: HSTUConfig) -> str | None:
+    if items.numel() != actions.numel():
+        return (f"action_ids: expected the same length as item_ids ({items.numel()}), "
+                f"got {actions.numel()}")
+    if items.numel() > config.max_history_events:
+        return (f"item_ids: history longer than the model's maximum: expected at most "
+                f"{config.max_history_events} events, got {items.numel()}")
+    error = check_ids("item_ids", items, 1, config.item_vocab)
+    if error is not None:
+        return error
+    return check_ids("action_ids", actions, 0, config.action_vocab)
