@@ -1,0 +1,30 @@
+"""The KV-cache lifecycle of HSTU serving, independent of Triton (DESIGN.md, ARCHITECTURE.md).
+
+- ``kvlifecycle.pool``: the shared device page pool (``PoolSpec``, ``PagePool``).
+- ``kvlifecycle.hashing``: the seeded page key chain (``page_keys``).
+- ``kvlifecycle.page_table``: page states, pins, LRU, leases (invariant 3 lives here).
+- ``kvlifecycle.manager``: ``KVCacheManager`` (lookup / allocate / onboard / commit / abort /
+  offload_done) and ``Offloader``.
+- ``kvlifecycle.control``: ``ControlServer`` / ``ControlClient`` (pyzmq, JSON).
+- ``kvlifecycle.ops``: ``torch.ops.kvlifecycle.*`` custom ops (import to register them).
+- ``kvlifecycle.store``: the host store API and its backends.
+"""
+
+from kvlifecycle.hashing import page_keys
+from kvlifecycle.manager import KVCacheManager, LookupResult, Offloader
+from kvlifecycle.page_table import Allocation, OffloadItem, PoolExhausted
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages, slots_for_positions
+
+__all__ = [
+    "Allocation",
+    "KVCacheManager",
+    "LookupResult",
+    "OffloadItem",
+    "Offloader",
+    "PagePool",
+    "PoolExhausted",
+    "PoolSpec",
+    "page_keys",
+    "slots_for_pages",
+    "slots_for_positions",
+]
