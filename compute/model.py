@@ -143,7 +143,8 @@ class HSTUModel(nn.Module):
             k_all = torch.where(key_valid, k_all.to(x.dtype), 0.0)
             v_all = torch.where(key_valid, v_all.to(x.dtype), 0.0)
 
-            bias = layer.bias_by_distance(self.bucket_of_distance)[:, distance]  # [H, B, Q, K]
+            bias_table = layer.bias_by_distance(self.bucket_of_distance)  # [H, max_distance + 1]
+            bias = bias_table[:, distance]  # [H, B, Q, K]
             attended = _pointwise_attention(
                 q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),  # [B, Q|K, H, D] -> [B, H, Q|K, D]
                 bias.transpose(0, 1), allowed[:, None], self.alpha, self.attention_norm,  # [B, H, Q, K], [B, 1, Q, K]
@@ -151,7 +152,7 @@ class HSTUModel(nn.Module):
 
             # Each candidate also attends to itself (distance 0); new tokens already did via the pool.
             q_c, k_c, v_c = q[:, max_new:], k[:, max_new:], v[:, max_new:]  # [B, Mc, H, D]
-            self_logits = (q_c * k_c).sum(-1) * self.alpha + layer.rel_bias[self.bucket_of_distance[0]]  # [B, Mc, H]
+            self_logits = (q_c * k_c).sum(-1) * self.alpha + bias_table[:, 0]  # [B, Mc, H]
             self_attended = (F.silu(self_logits) / self.attention_norm)[..., None] * v_c  # [B, Mc, H, D]
             attended = torch.cat([attended[:, :max_new], attended[:, max_new:] + self_attended], dim=1)
             x = layer.finish(attended, u, x)  # [B, Q, hidden]
