@@ -1,0 +1,296 @@
+"""Scenarios of the KV-cache lifecycle on a tiny pool (8 pages of 4 tokens)."""
+
+import pytest
+import torch
+
+from kvlifecycle.hashing import page_keys
+from kvlifecycle.manager import KVCacheManager, LeaseGone, Offloader
+from kvlifecycle.page_table import PoolExhausted
+
+from .kvl_fakes import FakeStore
+
+S = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def store(pool):
+    return FakeStore(pool.tensor, S)
+
+
+@pytest.fixture
+def mgr(tiny_spec, clock):
+    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, lease_ttl_s=10.0, offload_ttl_s=20.0)
+    yield m
+    m.check_invariants()
+
+
+@pytest.fixture
+def smgr(tiny_spec, store, clock):
+    m = KVCacheManager(tiny_spec, "ns", store, clock=clock, lease_ttl_s=10.0, offload_ttl_s=20.0)
+    yield m
+    m.check_invariants()
+
+
+def serve(m, user, tokens):
+    """lookup -> allocate -> onboard -> commit; returns (allocation, offload items)."""
+    alloc = m.onboard(m.allocate(user, tokens, m.lookup(user, tokens)))
+    return alloc, m.commit(alloc.lease_id)
+
+
+def baseline_ok(m):
+    s = m.stats()
+    assert (s["pages_leased"], s["pages_pinned"], s["leases_active"]) == (0, 0, 0), s
+    assert s["pages_free"] + s["pages_committed"] == s["pages_total"], s
+
+
+@pytest.mark.parametrize("n,pages,full,partial", [
+    (0, 0, 0, False),
+    (1, 1, 0, True),
+    (4, 1, 1, False),
+    (6, 2, 1, True),
+    (32, 8, 8, False),  # the whole pool
+])
+def test_allocate_shapes(mgr, n, pages, full, partial):
+    alloc = mgr.allocate(1, list(range(n)))
+    assert len(alloc.page_row) == pages and len(set(alloc.page_row)) == pages
+    assert len(alloc.new_full_pages) == full
+    assert (alloc.partial_page is not None) == partial
+    assert alloc.cached_len == 0 and alloc.new_tokens == n
+    mgr.check_invariants()
+    mgr.commit(alloc.lease_id)
+    assert mgr.stats()["pages_committed"] == full
+    baseline_ok(mgr)
+
+
+def test_second_request_hits_the_committed_prefix_and_pins_it(mgr):
+    history = list(range(10))
+    serve(mgr, 1, history)  # 2 full pages committed, partial freed
+    hit = mgr.lookup(1, history + [10, 11])
+    assert (hit.outcome, hit.device_tokens, hit.host_tokens) == ("device_hit", 8, 0)
+
+    alloc = mgr.allocate(1, history + [10, 11], hit)
+    assert alloc.cached_len == 8 and alloc.device_pages == hit.device_pages
+    assert mgr.stats()["pages_pinned"] == 2  # readers pin the prefix while compute runs
+    mgr.commit(alloc.lease_id)
+    assert mgr.stats()["pages_committed"] == 3
+    baseline_ok(mgr)
+
+
+def test_pinned_prefix_is_not_evicted_and_exhaustion_changes_nothing(mgr):
+    serve(mgr, 1, list(range(16)))  # 4 pages committed
+    reader = mgr.allocate(1, list(range(16)) + [99])  # pins 4, leases 1
+    before = mgr.stats()
+    with pytest.raises(PoolExhausted, match="need 4 free pages .* 3 are free and 0 evictable"):
+        mgr.allocate(2, list(range(100, 116)))
+    after = mgr.stats()
+    assert {k: v for k, v in after.items() if k != "pool_exhausted"} == {
+        k: v for k, v in before.items() if k != "pool_exhausted"}
+    mgr.check_invariants()
+
+    mgr.commit(reader.lease_id)  # pins dropped: now the LRU pages are evictable
+    alloc = mgr.allocate(2, list(range(100, 120)))  # 5 pages: 4 free + 1 evicted
+    assert mgr.stats()["evictions"] == 1
+    mgr.abort(alloc.lease_id)
+    baseline_ok(mgr)
+
+
+def test_eviction_takes_leaves_before_their_prefix(mgr):
+    serve(mgr, 1, list(range(16)))  # chain of 4 pages
+    mgr.allocate(2, list(range(100, 120)))  # needs 5 pages: 4 free + 1 evicted
+    assert mgr.lookup(1, list(range(16))).device_tokens == 12  # the last page went first
+
+
+def test_pages_of_a_lease_are_invisible_until_commit(mgr):
+    tokens = list(range(8))
+    alloc = mgr.allocate(1, tokens)
+    assert mgr.lookup(2, tokens).outcome == "miss"
+    mgr.commit(alloc.lease_id)
+    assert mgr.lookup(2, tokens).outcome == "device_hit"
+
+
+def test_concurrent_duplicate_commit_keeps_the_first_page(mgr):
+    tokens = list(range(8))
+    a = mgr.allocate(1, tokens)
+    b = mgr.allocate(2, tokens)  # both miss: both compute the same pages
+    mgr.commit(a.lease_id)
+    mgr.commit(b.lease_id)
+    assert mgr.lookup(3, tokens).device_pages == a.page_row
+    s = mgr.stats()
+    assert s["duplicate_pages"] == 2 and s["pages_committed"] == 2
+    baseline_ok(mgr)
+
+
+@pytest.mark.parametrize("how", ["abort", "expire"])
+def test_abort_and_expiry_return_every_page(mgr, clock, how):
+    serve(mgr, 1, list(range(8)))
+    alloc = mgr.allocate(1, list(range(13)))
+    assert mgr.stats()["pages_in_use"] == 2 + 2
+    if how == "abort":
+        assert mgr.abort(alloc.lease_id) is True
+        assert mgr.abort(alloc.lease_id) is False
+    else:
+        clock.now = 9.9
+        assert mgr.expire_leases() == []
+        clock.now = 10.0
+        assert mgr.expire_leases() == [alloc.lease_id]
+    assert mgr.commit(alloc.lease_id) == []  # too late: nothing cached, nothing raised
+    assert mgr.stats()["pages_in_use"] == 2
+    baseline_ok(mgr)
+
+
+@pytest.mark.parametrize("k", [0, 5, 8, 15])
+def test_rewritten_history_reads_only_pages_before_the_change(mgr, k):
+    history = list(range(16))
+    serve(mgr, 1, history)
+    rewritten = list(history)
+    rewritten[k] = 999
+    assert mgr.lookup(1, rewritten).device_tokens == (k // S) * S
+
+
+def test_changed_namespace_never_hits(tiny_spec, pool, store):
+    a = KVCacheManager(tiny_spec, "weights-a", store)
+    b = KVCacheManager(tiny_spec, "weights-b", store)
+    tokens = list(range(12))
+    _, items = serve(a, 1, tokens)
+    Offloader(store, "weights-a", S, a.offload_done).launch(tokens, items)
+    assert a.lookup(1, tokens).cached_tokens == 12 and store.pages
+    hit = b.lookup(1, tokens)
+    assert (hit.outcome, hit.cached_tokens) == ("miss", 0)
+
+
+def test_offload_pins_until_done_and_only_new_pages(smgr, store):
+    tokens = list(range(10))
+    alloc, items = serve(smgr, 1, tokens)
+    assert [(it.page_id, it.prefix_len) for it in items] == [(alloc.page_row[0], 4), (alloc.page_row[1], 8)]
+    assert smgr.stats()["pages_offload_pending"] == 2 and smgr.stats()["pages_pinned"] == 2
+
+    offloader = Offloader(store, "ns", S, smgr.offload_done)
+    offloader.launch(tokens, items)
+    assert smgr.stats()["pages_offload_pending"] == 2  # launched, not reaped yet
+    assert offloader.reap() == 1 and offloader.pending == 0
+    assert smgr.stats()["pages_offload_pending"] == 0
+    baseline_ok(smgr)
+
+    _, again = serve(smgr, 1, tokens + [10, 11, 12, 13])
+    assert [it.prefix_len for it in again] == [12]  # pages already offloaded are not offloaded again
+
+
+def test_offload_pin_expires_when_offloader_dies(smgr, clock):
+    _, items = serve(smgr, 1, list(range(8)))
+    clock.now = 20.0
+    smgr.expire_leases()
+    assert smgr.stats()["offload_pins_expired"] == 2
+    assert smgr.offload_done([it.page_id for it in items], True) == 0  # late: ignored
+    baseline_ok(smgr)
+
+
+def fill_host(smgr, store, tokens, value=7.0):
+    """Commit + offload ``tokens``, then evict them from the device (host-only)."""
+    alloc, items = serve(smgr, 1, tokens)
+    for page in alloc.page_row[: len(tokens) // S]:
+        store.pool[:, page] = value
+    offloader = Offloader(store, "ns", S, smgr.offload_done)
+    offloader.launch(tokens, items)
+    assert offloader.reap() == 1
+    evictor = smgr.allocate(9, list(range(500, 532)))  # evicts everything
+    smgr.abort(evictor.lease_id)
+
+
+def test_host_hit_is_onboarded(smgr, store):
+    tokens = list(range(12))
+    fill_host(smgr, store, tokens)
+    hit = smgr.lookup(1, tokens + [1, 2])
+    assert (hit.outcome, hit.device_tokens, hit.host_tokens) == ("host_hit", 0, 12)
+    alloc = smgr.allocate(1, tokens + [1, 2], hit)
+    assert not alloc.onboarded and len(alloc.onboard_pages) == 3
+    alloc = smgr.onboard(alloc)
+    assert alloc.onboarded and alloc.cached_len == 12
+    assert all(torch.all(store.pool[:, p] == 7.0) for p in alloc.onboard_pages)
+    assert smgr.commit(alloc.lease_id) == []  # onboarded pages are in the host already
+    assert smgr.lookup(1, tokens).outcome == "device_hit"
+    s = smgr.stats()
+    assert s["lookups_host_hit"] == 1 and s["onboarded_pages"] == 3
+
+
+@pytest.mark.parametrize("failure,counter", [
+    ("FAILED", "store_errors"),
+    ("NOTFOUND", "onboard_misses"),
+    ("raise", "store_errors"),
+])
+def test_onboard_failure_downgrades_to_recompute(smgr, store, failure, counter):
+    tokens = list(range(12))
+    fill_host(smgr, store, tokens)
+    alloc = smgr.allocate(1, tokens, smgr.lookup(1, tokens))
+    if failure == "raise":
+        store.raise_on.add("get_async")
+    else:
+        store.get_status = failure
+    done = smgr.onboard(alloc)
+    assert done.page_row == alloc.page_row
+    assert (done.cached_len, done.new_tokens, len(done.new_full_pages)) == (0, 12, 3)
+    assert smgr.stats()[counter] == 1
+    assert len(smgr.commit(done.lease_id)) == 3  # recomputed pages are offloaded again
+    smgr.check_invariants()
+
+
+def test_onboard_timeout_quarantines_pages_until_the_store_task_ends(smgr, store):
+    tokens = list(range(8))
+    fill_host(smgr, store, tokens)
+    alloc = smgr.allocate(1, tokens, smgr.lookup(1, tokens))
+    store.get_status = "TIMEOUT"
+    done = smgr.onboard(alloc)
+    assert done.cached_len == 0
+    assert not set(done.page_row) & set(alloc.onboard_pages)  # fresh pages to compute into
+    assert smgr.stats()["pages_quarantined"] == 2 and store.cancelled
+    smgr.check_invariants()
+    smgr.expire_leases()
+    assert smgr.stats()["pages_quarantined"] == 2  # the store may still write them
+    store.finish(store.cancelled[0])
+    smgr.expire_leases()
+    assert smgr.stats()["pages_quarantined"] == 0
+    smgr.abort(done.lease_id)
+    baseline_ok(smgr)
+
+
+def test_abort_during_onboard_is_deferred(smgr, store):
+    tokens = list(range(8))
+    fill_host(smgr, store, tokens)
+    alloc = smgr.allocate(1, tokens, smgr.lookup(1, tokens))
+    task = smgr.onboard_launch(alloc.lease_id)
+    assert smgr.abort(alloc.lease_id) is True
+    assert smgr.stats()["pages_leased"] == 2  # the store may be writing them
+    assert smgr.expire_leases(now=1e9) == []
+    with pytest.raises(LeaseGone):
+        smgr.onboard_wait(alloc.lease_id, task)
+    baseline_ok(smgr)
+
+
+@pytest.mark.parametrize("broken", ["get_match", "wait"])
+def test_store_down_fails_open(smgr, store, broken):
+    tokens = list(range(8))
+    fill_host(smgr, store, tokens)
+    store.raise_on.add(broken)
+    alloc, _ = serve(smgr, 1, tokens)
+    assert alloc.cached_len == 0  # recomputed, nothing raised
+    assert smgr.stats()["store_errors"] >= 1
+
+
+def test_commit_before_onboard_is_a_caller_bug(smgr, store):
+    tokens = list(range(8))
+    fill_host(smgr, store, tokens)
+    alloc = smgr.allocate(1, tokens, smgr.lookup(1, tokens))
+    with pytest.raises(AssertionError, match="before its onboard"):
+        smgr.commit(alloc.lease_id)

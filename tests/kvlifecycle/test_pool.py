@@ -1,0 +1,64 @@
+import json
+import os
+
+import pytest
+import torch
+
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages, slots_for_positions
+
+
+def test_attach_sees_creator_bytes_and_close_unlinks(tiny_spec):
+    owner = PagePool.create(tiny_spec)
+    handle = json.loads(json.dumps(owner.handle()))  # JSON-safe
+    other = PagePool.attach(handle)
+    assert other.tensor.shape == (2, 8, 2, 4, 1, 2) == tiny_spec.shape
+
+    other.tensor[1, 3, 1] = 5.0  # layer 1, page 3, V
+    assert torch.all(owner.tensor[1, 3, 1] == 5.0)
+    assert torch.all(owner.tensor[1, 3, 0] == 0.0)
+
+    other.close()  # an attacher never frees
+    assert os.path.exists(handle["path"])
+    owner.close()
+    assert not os.path.exists(handle["path"])
+    with pytest.raises(FileNotFoundError, match="gone"):
+        PagePool.attach(handle)
+    owner.close()  # idempotent
+
+
+def test_page_bytes(tiny_spec):
+    assert tiny_spec.page_bytes == 2 * 2 * 4 * 1 * 2 * 4
+    assert tiny_spec.total_bytes == tiny_spec.page_bytes * tiny_spec.num_pages
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_pages", 0, "num_pages"),
+    ("page_size", 3, "even"),
+    ("dtype", "int7", "dtype"),
+    ("device", "mps", "device"),
+    ("head_dim", True, "head_dim"),
+])
+def test_spec_rejects(field, value, match):
+    kwargs = dict(num_layers=1, num_pages=4, page_size=2, num_heads=1, head_dim=1)
+    kwargs[field] = value
+    with pytest.raises(ValueError, match=match):
+        PoolSpec(**kwargs)
+
+
+@pytest.mark.parametrize("page_ids,expected", [
+    ([], []),
+    ([0], [0, 1, 2, 3]),
+    ([2, 0], [8, 9, 10, 11, 0, 1, 2, 3]),
+])
+def test_slots_for_pages(page_ids, expected):
+    assert slots_for_pages(page_ids, 4).tolist() == expected
+
+
+@pytest.mark.parametrize("start,end,expected", [
+    (0, 0, []),
+    (0, 3, [20, 21, 22]),
+    (3, 6, [23, 4, 5]),
+    (6, 8, [6, 7]),
+])
+def test_slots_for_positions(start, end, expected):
+    assert slots_for_positions([5, 1], start, end, 4).tolist() == expected
