@@ -1,0 +1,98 @@
+import json
+import os
+import stat
+import time
+
+import pytest
+import torch
+import zmq
+
+from kvlifecycle.control import (ControlClient, ControlError, ControlServer, ControlTimeout,
+                                 default_endpoint)
+from kvlifecycle.pool import PoolSpec
+
+from .conftest import kv_owner, run_child
+
+SPEC = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_heads=1, head_dim=2)
+
+
+def test_other_process_writes_pages_and_commits_through_the_control_plane():
+    # A (this process): pool + manager + ControlServer. B (child): attach, write, commit.
+    with kv_owner(SPEC, offload=True) as owner:
+        mgr = owner.manager
+        a = mgr.allocate(1, list(range(10)))  # 2 full pages + partial
+        b = mgr.allocate(2, list(range(100, 104)))
+        c = mgr.allocate(3, list(range(200, 204)))
+        out = run_child("child_writer.py", {
+            "handle": owner.pool.handle(),
+            "endpoint": owner.endpoint,
+            "leases": [{"lease_id": a.lease_id, "pages": list(a.page_row), "value": 1.5},
+                       {"lease_id": b.lease_id, "pages": list(b.page_row), "value": 2.5}],
+            "abort": [c.lease_id],
+        })
+        for page in a.page_row:
+            assert torch.all(owner.pool.tensor[:, page] == 1.5)  # B's bytes, seen in A
+        assert torch.all(owner.pool.tensor[:, b.page_row[0]] == 2.5)
+        assert [it["prefix_len"] for it in out["offload"][str(a.lease_id)]] == [4, 8]
+        assert out["aborted"] == [True]
+
+        hit = mgr.lookup(1, list(range(10)))
+        assert hit.device_pages == a.page_row[:2]
+        s = mgr.stats()
+        assert (s["pages_offload_pending"], s["pages_committed"], s["leases_active"]) == (3, 3, 0)
+        with ControlClient(owner.endpoint) as client:
+            assert client.offload_done([a.page_row[0], a.page_row[1], b.page_row[0]], True) == 3
+            assert client.stats()["pages_pinned"] == 0
+        mgr.check_invariants()
+
+
+def test_idle_server_expires_leases():
+    clock = [0.0]
+    with kv_owner(SPEC, clock=lambda: clock[0], lease_ttl_s=1.0) as owner:
+        owner.manager.allocate(1, list(range(8)))
+        clock[0] = 5.0
+        with ControlClient(owner.endpoint) as client:
+            for _ in range(100):
+                if client.stats()["leases_active"] == 0:
+                    break
+                time.sleep(0.02)
+            assert client.stats()["leases_expired"] == 1
+
+
+def test_endpoint_directory_is_private():
+    endpoint = default_endpoint()
+    directory = os.path.dirname(endpoint[len("ipc://"):])
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    os.chmod(directory, 0o755)
+    with pytest.raises(ValueError, match="mode 0700"):
+        ControlServer(None, endpoint)
+
+
+@pytest.mark.parametrize("message,status", [
+    (b"not json", "bad_request"),
+    (json.dumps({"id": 1, "op": "nope"}).encode(), "bad_request"),
+    (json.dumps({"id": 2, "op": "commit", "args": {"lease_id": "x"}}).encode(), "bad_request"),
+    (json.dumps({"id": 3, "op": "ping"}).encode(), "ok"),
+])
+def test_malformed_requests_get_a_status(message, status):
+    with kv_owner(SPEC) as owner:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(owner.endpoint)
+        sock.send(message)
+        assert sock.poll(2000)
+        assert json.loads(sock.recv())["status"] == status
+        sock.close(0)
+        ctx.term()
+
+
+def test_client_errors_are_clear():
+    with kv_owner(SPEC) as owner:
+        with ControlClient(owner.endpoint) as client:
+            with pytest.raises(ControlError, match="bad_request"):
+                client._call("commit", {"lease_id": "x"})
+            assert client.commit(12345) == []  # unknown lease: nothing to offload
+            assert client.abort(12345) is False
+    with ControlClient(default_endpoint(), timeout_s=0.2) as client:
+        with pytest.raises(ControlTimeout, match="no reply"):
+            client.ping()
