@@ -48,6 +48,10 @@ __all__ = ["HSTULayer", "HSTUModel", "TaskHead", "position_buckets"]
 
 EXACT_DISTANCES = 16  # relative distances below this get a bucket each
 NUM_BUCKETS = 32  # the rest are log-spaced up to the longest distance
+# f1's random init is this many times PyTorch's default: with the large constant N, a default-init
+# toy model barely reacts to its history, which would make cached == uncached checks toothless.
+F1_INIT_GAIN = 3.0
+ATTN_NORM_EPS = 1e-6  # LayerNorm(A V), as in generative-recommenders
 
 
 class HSTUModel(nn.Module):
@@ -202,7 +206,9 @@ class HSTULayer(nn.Module):
         width = config.num_heads * config.head_dim
         self.input_norm = nn.LayerNorm(config.hidden_dim)
         self.uvqk = nn.Linear(config.hidden_dim, 4 * width)  # f1
-        self.attn_norm = nn.LayerNorm(width)
+        with torch.no_grad():
+            self.uvqk.weight.mul_(F1_INIT_GAIN)
+        self.attn_norm = nn.LayerNorm(width, eps=ATTN_NORM_EPS)
         self.output = nn.Linear(width, config.hidden_dim)  # f2
         self.rel_bias = nn.Parameter(0.1 * torch.randn(NUM_BUCKETS, config.num_heads))  # rab per bucket, head
 

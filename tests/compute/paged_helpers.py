@@ -1,0 +1,79 @@
+"""Helpers for compute tests that play the server: run a user's cached prefix through the paged
+forward first (so the pool holds its K/V), then the new suffix with its candidates.
+
+- ``make_user(rng, config, events, candidates)`` -> ``User``; ``PageAllocator``: hands out page ids.
+- ``serve(run, pool, users, split)``: prefix pass for each user, then one batched suffix call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compute import HSTUConfig, PagedBatch, history_tokens
+
+NUM_PAGES = 640  # enough for several users of 2,048 events (128 pages each)
+
+
+@dataclass
+class User:
+    item_ids: np.ndarray  # int64 [n]
+    action_ids: np.ndarray  # int64 [n]
+    candidate_ids: np.ndarray  # int64 [c]
+    tokens: torch.Tensor  # int64 [2n]
+    page_row: list[int]  # pages for every history token
+    cached_len: int = 0  # page-aligned split: [0, cached_len) goes through the prefix pass
+
+
+class PageAllocator:
+    """Page ids in a fixed shuffled order, never reused within a test."""
+
+    def __init__(self, num_pages: int, rng: np.random.Generator) -> None:
+        self.free = list(rng.permutation(num_pages))
+
+    def take(self, count: int) -> list[int]:
+        assert count <= len(self.free), f"test pool too small: need {count} pages, {len(self.free)} left"
+        taken, self.free = self.free[:count], self.free[count:]
+        return [int(p) for p in taken]
+
+
+def make_user(rng: np.random.Generator, config: HSTUConfig, events: int, candidates: int,
+              pages: PageAllocator, cached_len: int | None = None) -> User:
+    """A random user; ``cached_len`` defaults to a random page-aligned split of its tokens."""
+    items = rng.integers(1, config.item_vocab, events, dtype=np.int64)
+    actions = rng.integers(0, config.action_vocab, events, dtype=np.int64)
+    cands = rng.integers(1, config.item_vocab, candidates, dtype=np.int64)
+    tokens = history_tokens(items, actions, config)
+    row = pages.take(-(-tokens.numel() // config.page_size))
+    if cached_len is None:
+        cached_len = int(rng.integers(0, tokens.numel() // config.page_size + 1)) * config.page_size
+    return User(items, actions, cands, tokens, row, cached_len)
+
+
+def new_pool(config: HSTUConfig, num_pages: int = NUM_PAGES) -> torch.Tensor:
+    """A pool full of NaN: any read of a slot nobody wrote poisons the scores."""
+    shape = (config.num_layers, num_pages, 2, config.page_size, config.num_heads, config.head_dim)
+    return torch.full(shape, float("nan"), dtype=config.torch_dtype)
+
+
+def fill_prefix(run, pool: torch.Tensor, user: User) -> None:
+    """The server's first request for the prefix: writes K/V of tokens [0, cached_len)."""
+    if user.cached_len:
+        prefix = user.tokens[:user.cached_len]
+        run(pool, PagedBatch.from_requests([(prefix, 0, user.page_row, user.candidate_ids[:1])]))
+
+
+def suffix_request(user: User) -> tuple:
+    return (user.tokens[user.cached_len:], user.cached_len, user.page_row, user.candidate_ids)
+
+
+def serve(run, pool: torch.Tensor, users: list[User]) -> torch.Tensor:
+    """Prefix pass per user, then every user's suffix in one batched call; scores [sum c, T]."""
+    for user in users:
+        fill_prefix(run, pool, user)
+    return run(pool, PagedBatch.from_requests([suffix_request(u) for u in users]))
+
+
