@@ -385,9 +385,13 @@ def start_store_process(endpoint: str, dram_bytes: int, pool_handle: dict[str, A
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     handle = StoreProcess(proc, endpoint, log_path)
-    probe = EmbeddedStoreClient(endpoint, page_size=2, rpc_timeout_s=0.2, retry_interval_s=0.0)
+    deadline = time.monotonic() + ready_timeout_s
+    sock_path = Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
+    while sock_path is not None and not sock_path.exists() and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    probe = EmbeddedStoreClient(endpoint, page_size=2, rpc_timeout_s=0.5, retry_interval_s=0.0)
     try:
-        deadline = time.monotonic() + ready_timeout_s
         while not probe.ping():
             if proc.poll() is not None or time.monotonic() > deadline:
                 handle.kill()

@@ -1,0 +1,199 @@
+"""Test harness for host store backends (no tests here): a small pool, and one object per
+backend that starts its server, makes clients, and stops/restarts the server."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
+from kvlifecycle.store import HostStoreClient, open_store
+
+SPEC = PoolSpec(num_layers=2, num_pages=32, page_size=4, num_heads=2, head_dim=8)  # 1 KiB pages
+NS = "model-fingerprint-a"
+
+
+def tokens(num_pages: int, start: int = 1, extra: int = 0) -> np.ndarray:
+    """Token ids of ``num_pages`` full pages plus ``extra`` tokens of a partial page."""
+    return np.arange(start, start + num_pages * SPEC.page_size + extra, dtype=np.int64)
+
+
+def fill_random(pool: PagePool, pages: list[int], seed: int) -> torch.Tensor:
+    """Write seeded random KV into ``pages``; returns a copy [L, n, 2, S, H, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn((SPEC.num_layers, len(pages), *SPEC.shape[2:]), generator=gen)
+    pool.tensor[:, pages] = values
+    return values.clone()
+
+
+def slots(pages: list[int]) -> np.ndarray:
+    return slots_for_pages(pages, SPEC.page_size).numpy()
+
+
+_SHARED_EMBEDDED: dict[str, Any] = {}  # one default server per test module (start-up is ~1.5 s)
+
+
+class EmbeddedHarness:
+    """Our store server. A default one (no options) is shared by a test module; any option
+    gets a dedicated server. Each harness has its own namespace."""
+
+    kind = "embedded"
+    has_lru = True
+
+    def __init__(self, pool: PagePool, capacity_pages: int | None = None, copy_delay_s: float = 0.0,
+                 disk_dir: Path | None = None, dedicated: bool = False) -> None:
+        from kvlifecycle.store.embedded import default_endpoint
+
+        self.pool = pool
+        self.ns = f"{NS}-{uuid.uuid4().hex[:8]}"
+        self.capacity_pages = capacity_pages or 64
+        self.copy_delay_s = copy_delay_s
+        self.disk_dir = disk_dir
+        self.proc: Any = None
+        self.clients: list[HostStoreClient] = []
+        self.dedicated = dedicated or capacity_pages is not None or copy_delay_s > 0 or disk_dir is not None
+        if not self.dedicated and "proc" in _SHARED_EMBEDDED:
+            self.endpoint, self.proc = _SHARED_EMBEDDED["endpoint"], _SHARED_EMBEDDED["proc"]
+            return
+        self.endpoint = default_endpoint()
+        self.start()
+        if not self.dedicated:
+            _SHARED_EMBEDDED.update(endpoint=self.endpoint, proc=self.proc)
+
+    def start(self) -> None:
+        from kvlifecycle.store.embedded import start_store_process
+
+        self.proc = start_store_process(
+            self.endpoint, dram_bytes=SPEC.page_bytes * self.capacity_pages, pool_handle=self.pool.handle(),
+            disk_dir=self.disk_dir, extra_args=["--debug-copy-delay-s", str(self.copy_delay_s)])
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def client(self, **cfg: Any) -> HostStoreClient:
+        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, "pool_handle": self.pool.handle(), **cfg}
+        client = open_store("embedded", endpoint=self.endpoint, page_size=SPEC.page_size, **cfg)
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.dedicated and self.proc is not None:
+            self.proc.kill()
+            shutil.rmtree(Path(self.endpoint.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+_SHARED_MOONCAKE: dict[str, Any] = {}  # one master and client per test module (client close takes ~2 s)
+
+
+class MooncakeHarness:
+    """Mooncake Store on loopback. Shared master and client unless ``dedicated`` (a test that
+    kills the master); each harness has its own namespace, so tests never see each other's pages."""
+
+    kind = "mooncake"
+    has_lru = False  # eviction is the Mooncake master's (watermarks), not a byte-capacity LRU
+
+    def __init__(self, pool: PagePool, capacity_pages: int = 16, copy_delay_s: float = 0.0,
+                 disk_dir: Path | None = None, dedicated: bool = False) -> None:
+        from kvlifecycle.store.mooncake import _free_port
+
+        self.pool = pool
+        self.ns = f"{NS}-{uuid.uuid4().hex[:8]}"
+        self.copy_delay_s = copy_delay_s
+        self.dedicated = dedicated
+        self.clients: list[HostStoreClient] = []
+        if dedicated:
+            self.port = _free_port()
+            self.master: Any = None
+            self.start()
+        else:
+            if "master" not in _SHARED_MOONCAKE:
+                from kvlifecycle.store.mooncake import start_master
+
+                _SHARED_MOONCAKE["master"] = start_master()
+            self.master = _SHARED_MOONCAKE["master"]
+
+    def start(self) -> None:
+        from kvlifecycle.store.mooncake import start_master
+
+        self.master = start_master(self.port)
+
+    def stop(self) -> None:
+        self.master.stop()
+
+    def kill(self) -> None:
+        self.master.proc.kill()
+        self.master.proc.wait()
+
+    def client(self, **cfg: Any) -> HostStoreClient:
+        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, **cfg}
+        if not self.dedicated and "client" in _SHARED_MOONCAKE:
+            client = _SHARED_MOONCAKE["client"]
+            client.register_pool(self.pool.handle())
+            client.debug_copy_delay_s = self.copy_delay_s
+            return client
+        client = open_store("mooncake", master_address=self.master.address, page_size=SPEC.page_size,
+                            pool_handle=self.pool.handle(), global_segment_bytes=16 << 20,
+                            local_buffer_bytes=16 << 20, debug_copy_delay_s=self.copy_delay_s, **cfg)
+        if self.dedicated:
+            self.clients.append(client)
+        else:
+            _SHARED_MOONCAKE["client"] = client
+        return client
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.dedicated and self.master is not None:
+            self.master.stop()
+
+
+def close_shared_stores() -> None:
+    proc = _SHARED_EMBEDDED.pop("proc", None)
+    if proc is not None:
+        proc.kill()
+        shutil.rmtree(Path(_SHARED_EMBEDDED.pop("endpoint").removeprefix("ipc://")).parent, ignore_errors=True)
+    client = _SHARED_MOONCAKE.pop("client", None)
+    if client is not None:
+        client.close()
+    master = _SHARED_MOONCAKE.pop("master", None)
+    if master is not None:
+        master.stop()
+
+
+def mooncake_skip_reason() -> str | None:
+    from kvlifecycle.store.mooncake import MooncakeUnavailable, load_mooncake
+
+    try:
+        load_mooncake()
+    except MooncakeUnavailable as e:
+        return str(e)
+    return None
+
+
+def backend_params() -> list[Any]:
+    from kvlifecycle.store.flexkv import flexkv_unavailable_reason
+
+    params = [pytest.param(EmbeddedHarness, id="embedded")]
+    reason = mooncake_skip_reason()
+    params.append(pytest.param(MooncakeHarness, id="mooncake",
+                               marks=[pytest.mark.skipif(reason is not None, reason=str(reason))]))
+    flexkv_reason = flexkv_unavailable_reason()
+    params.append(pytest.param(None, id="flexkv", marks=[pytest.mark.skipif(
+        flexkv_reason is not None, reason=str(flexkv_reason))]))
+    return params
+
+
+def private_tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvstore-test-"))
