@@ -233,7 +233,7 @@ def build_model(model_dir: Path, device: str, model_config: Path | None = None) 
     model_dir.mkdir(parents=True, exist_ok=True)
     if model_config is not None:
         shutil.copyfile(model_config, model_dir / "hstu_config.json")
-    cmd = [sys.executable, "-m", "compute.build", "--model-dir", str(model_dir), "--device", device]
+    cmd = [str(Path(sys.executable).parent / "hstu-build"), "--model-dir", str(model_dir), "--device", device]
     logger.info("building model: %s", shlex.join(cmd))
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
 

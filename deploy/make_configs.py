@@ -25,9 +25,11 @@ def _tensor(spec: TensorSpec, lead: tuple[int, ...], batched: bool) -> str:
     return f'  {{ name: "{spec.name}" data_type: TYPE_{spec.dtype} dims: [ {dims} ]{ragged} }}'
 
 
-def _io(kind: str, specs: tuple[TensorSpec, ...], lead: tuple[int, ...] = (), batched: bool = False) -> str:
-    """An input or output list; `lead` prepends dims (the [1] a batched consumer needs)."""
-    items = [_tensor(s, lead, batched) for s in specs]
+def _io(kind: str, specs: tuple[TensorSpec, ...], lead: tuple[int, ...] = (), batched: bool = False,
+        extra: tuple[TensorSpec, ...] = ()) -> str:
+    """An input or output list. `lead` prepends dims to `specs` (the [1] batch dim of a batched
+    producer or consumer); `extra` specs are listed after them as they are."""
+    items = [_tensor(s, lead, batched) for s in specs] + [_tensor(s, (), batched) for s in extra]
     return f"{kind} [\n" + ",\n".join(items) + "\n]\n"
 
 
@@ -64,7 +66,7 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64,
     configs[schema.OFFLOAD] = (
         _python_model(schema.OFFLOAD, 0)
         + "model_transaction_policy { decoupled: true }\n"
-        + _io("input", compute_out, lead=(1,))
+        + _io("input", compute_out, lead=(1,), extra=schema.OFFLOAD_HISTORY_INPUTS)
         + _io("output", (scores,))
         + _instances("KIND_CPU", 1)
     )
@@ -95,7 +97,9 @@ def _ensemble_steps(num_tasks: int) -> str:
     steps = [
         step(schema.LOOKUP, {s.name: s.name for s in schema.ENSEMBLE_INPUTS}, lookup_out),
         step(schema.COMPUTE, lookup_out, compute_out),
-        step(schema.OFFLOAD, compute_out, {"scores": "scores"}),
+        # kv_offload also reads the history: the token ids key the pages it offloads.
+        step(schema.OFFLOAD, {**compute_out, **{s.name: s.name for s in schema.OFFLOAD_HISTORY_INPUTS}},
+             {"scores": "scores"}),
     ]
     return "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}\n"
 

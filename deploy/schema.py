@@ -7,7 +7,7 @@ by the models' request validators and by the clients. The public interface is th
     client -> hstu_ranking
       kv_lookup_alloc (max_batch_size 0, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
       hstu_compute    (max_batch_size > 0, dynamic batching, ragged): LOOKUP_OUTPUTS -> COMPUTE_OUTPUTS
-      kv_offload      (max_batch_size 0, decoupled): COMPUTE_OUTPUTS -> ENSEMBLE_OUTPUTS
+      kv_offload      (max_batch_size 0, decoupled): COMPUTE_OUTPUTS + item/action ids -> scores
     client -> hstu_monolithic: ENSEMBLE_INPUTS -> ENSEMBLE_OUTPUTS in one call
 
 kv_lookup_alloc's outputs carry a leading dimension of 1: it is the batch dimension of the
@@ -65,6 +65,9 @@ def compute_outputs(num_tasks: int) -> tuple[TensorSpec, ...]:
         TensorSpec("candidate_scores", "FP32", (-1, num_tasks)),
         TensorSpec("done_lease_id", "INT64", (1,)),
     )
+
+# kv_offload also takes the public history inputs, straight from the ensemble's inputs.
+OFFLOAD_HISTORY_INPUTS = ENSEMBLE_INPUTS[1:3]
 
 
 @dataclass(frozen=True)

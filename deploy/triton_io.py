@@ -46,15 +46,15 @@ class RankingInputs:
 
 def read_ranking_request(request, config) -> RankingInputs:
     """Parse and validate the ensemble's public inputs; raise BadRequest naming the field."""
-    from compute.tokens import validate_request  # the one place that knows the id ranges
+    from compute.tokens import check_request  # the one place that knows the id ranges
 
     user = input_tensor(request, "user_id").reshape(-1)
     if user.numel() != 1:
         raise BadRequest(f"user_id: expected shape [1], got {list(user.shape)}")
-    items = input_tensor(request, "item_ids").reshape(-1).to(torch.int64)
-    actions = input_tensor(request, "action_ids").reshape(-1).to(torch.int64)
-    candidates = input_tensor(request, "candidate_ids").reshape(-1).to(torch.int64)
-    problem = validate_request(items, actions, candidates, config)
+    items = input_tensor(request, "item_ids").reshape(-1)
+    actions = input_tensor(request, "action_ids").reshape(-1)
+    candidates = input_tensor(request, "candidate_ids").reshape(-1)
+    problem = check_request(items, actions, candidates, config)
     if problem:
         raise BadRequest(problem)
     return RankingInputs(int(user.item()), items, actions, candidates)

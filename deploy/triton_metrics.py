@@ -7,7 +7,7 @@ turns snapshots into Prometheus counters (by delta) and gauges. Every series car
 
 Series (stats key -> metric{labels}):
   lookups_device_hit / lookups_host_hit / lookups_miss -> hstu_kv_lookups_total{outcome}
-  cached_tokens        -> hstu_kv_cached_tokens_total      tokens served from the cache
+  cached_tokens_served -> hstu_kv_cached_tokens_total      tokens served from the cache
   onboarded_pages      -> hstu_kv_onboarded_pages_total    host -> device
   pages_free / pages_in_use / pages_pinned / pages_leased -> hstu_kv_pages{state}
   offload_queue_depth  -> hstu_kv_offload_queue_depth      puts submitted, not yet reaped
@@ -28,7 +28,7 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "lookups_device_hit": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "device_hit"}),
     "lookups_host_hit": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "host_hit"}),
     "lookups_miss": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "miss"}),
-    "cached_tokens": ("hstu_kv_cached_tokens_total", "counter", "History tokens served from the KV cache", {}),
+    "cached_tokens_served": ("hstu_kv_cached_tokens_total", "counter", "History tokens served from the KV cache", {}),
     "onboarded_pages": ("hstu_kv_onboarded_pages_total", "counter", "Pages copied host store -> device pool", {}),
     "pages_free": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "free"}),
     "pages_in_use": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "in_use"}),

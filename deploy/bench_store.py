@@ -1,0 +1,152 @@
+"""Micro-benchmark of the embedded host store (not a test): offload (put_async + wait) and
+onboard (get_async + wait) bandwidth for 1, 8 and 64 pages per call, next to a plain torch
+copy of the same bytes between the pool and host memory, and their ratio.
+
+    .venv/bin/python deploy/bench_store.py [--device cpu|cuda] [--layers 8 --heads 4 --head-dim 64
+        --page-size 32 --dtype float32] [--repeats 20]
+
+Writes deploy/reports/store-<date>-<device>.json. On a GPU host the store's DRAM tier is pinned
+and its copies run on their own CUDA stream; the baseline is then a pinned device<->host copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
+from kvlifecycle.store import Status, open_store
+from kvlifecycle.store.embedded import default_endpoint, start_store_process
+
+logger = logging.getLogger(__name__)
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+PAGES_PER_CALL = (1, 8, 64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=20)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    calls = a.repeats
+    spec = PoolSpec(num_layers=a.layers, num_pages=max(PAGES_PER_CALL) * 2, page_size=a.page_size,
+                    num_heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, device=a.device)
+    pool = PagePool.create(spec)
+    pool.tensor.copy_(torch.randn(spec.shape).to(spec.torch_dtype))
+    endpoint = default_endpoint()
+    # DRAM tier big enough that offloads of distinct sequences never evict during a run.
+    dram_bytes = spec.page_bytes * max(PAGES_PER_CALL) * (calls + 2)
+    proc = start_store_process(endpoint, dram_bytes=dram_bytes, pool_handle=pool.handle())
+    rows: list[dict[str, Any]] = []
+    try:
+        with open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0) as store:
+            for n in PAGES_PER_CALL:
+                rows.append(_measure(store, pool, spec, n, calls))
+                print(_format(rows[-1]))
+    finally:
+        proc.stop()
+        pool.close()
+
+    report = {
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "device": a.device,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "spec": spec.to_dict(),
+        "page_bytes": spec.page_bytes,
+        "calls_per_size": calls,
+        "results": rows,
+    }
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    out = REPORTS / f"store-{dt.date.today().isoformat()}-{a.device}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> dict[str, Any]:
+    nbytes = n * spec.page_bytes
+    pages = list(range(n))
+    slot_map = slots_for_pages(pages, spec.page_size).numpy()
+    seqs = [np.arange(n * spec.page_size, dtype=np.int64) + 1_000_000 * (i + 1) for i in range(calls)]
+
+    t0 = time.perf_counter()
+    for seq in seqs:  # distinct sequences: every call really copies
+        task = store.put_async(seq, slot_map, "bench")
+        status = store.wait([task], timeout_s=60)[task]
+        assert status is Status.SUCCESS, f"offload of {n} pages: {status}"
+    offload_s = (time.perf_counter() - t0) / calls
+
+    onboard_slots = slots_for_pages(list(range(n, 2 * n)), spec.page_size).numpy()
+    mask = np.ones(n * spec.page_size, dtype=bool)
+    t0 = time.perf_counter()
+    for seq in seqs:
+        task = store.get_async(seq, onboard_slots, "bench", mask)
+        status = store.wait([task], timeout_s=60)[task]
+        assert status is Status.SUCCESS, f"onboard of {n} pages: {status}"
+    onboard_s = (time.perf_counter() - t0) / calls
+    assert torch.equal(pool.tensor[:, n:2 * n], pool.tensor[:, :n]), "onboarded pages differ"
+
+    d2h_s, h2d_s = _plain_copies(pool, n, calls)
+    gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
+    return {
+        "pages_per_call": n,
+        "bytes_per_call": nbytes,
+        "offload_gbps": gbps(offload_s),
+        "onboard_gbps": gbps(onboard_s),
+        "torch_pool_to_host_gbps": gbps(d2h_s),
+        "torch_host_to_pool_gbps": gbps(h2d_s),
+        "offload_ratio": d2h_s / offload_s,
+        "onboard_ratio": h2d_s / onboard_s,
+        "offload_ms_per_call": offload_s * 1e3,
+        "onboard_ms_per_call": onboard_s * 1e3,
+    }
+
+
+def _plain_copies(pool: PagePool, n: int, calls: int) -> tuple[float, float]:
+    """Seconds per call of a plain copy of the same bytes: pool pages <-> a host tensor."""
+    src = pool.tensor[:, :n]
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+    sync: Callable[[], None] = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    host.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        host.copy_(src, non_blocking=True)
+        sync()
+    d2h = (time.perf_counter() - t0) / calls
+    dst = pool.tensor[:, n:2 * n]
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dst.copy_(host, non_blocking=True)
+        sync()
+    h2d = (time.perf_counter() - t0) / calls
+    return d2h, h2d
+
+
+def _format(row: dict[str, Any]) -> str:
+    return (f"{row['pages_per_call']:>3} pages ({row['bytes_per_call'] / 2**20:7.2f} MiB): "
+            f"offload {row['offload_gbps']:6.2f} GB/s vs torch {row['torch_pool_to_host_gbps']:6.2f} "
+            f"(x{row['offload_ratio']:.2f}) | onboard {row['onboard_gbps']:6.2f} GB/s vs torch "
+            f"{row['torch_host_to_pool_gbps']:6.2f} (x{row['onboard_ratio']:.2f})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Build a process's KV cache from the model config and the serving settings.
+
+The owner of a page pool (kv_lookup_alloc for the ensemble, hstu_monolithic for itself) calls
+`open_kv_cache`: it creates the pool with the model's KV geometry, connects the host store
+client and registers the pool with it (the store copies pages itself), and builds the
+`KVCacheManager`. Processes that only offload (kv_offload) call `open_store_client`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvlifecycle.manager import KVCacheManager
+from kvlifecycle.pool import PagePool, PoolSpec
+from kvlifecycle.store import HostStoreClient, open_store
+
+from deploy.settings import ServingSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OwnedKVCache:
+    pool: PagePool
+    manager: KVCacheManager
+    store: HostStoreClient | None
+
+    def stats(self) -> dict[str, float]:
+        stats = dict(self.manager.stats())
+        if self.store is not None:
+            stats["store_errors"] = stats.get("store_errors", 0) + self.store.stats().get("errors", 0)
+        return stats
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.pool.close()
+
+
+def pool_spec(config, settings: ServingSettings) -> PoolSpec:
+    """The pool geometry the model's KV needs (`config` is a `compute.HSTUConfig`)."""
+    return PoolSpec(num_layers=config.num_layers, num_pages=settings.pool_pages, page_size=config.page_size,
+                    num_heads=config.num_heads, head_dim=config.head_dim, dtype=config.dtype,
+                    device=settings.device)
+
+
+def open_store_client(settings: ServingSettings, page_size: int) -> HostStoreClient | None:
+    """The host store client for `settings.store`, or None for `--store none`."""
+    if settings.store == "none":
+        return None
+    return open_store(settings.store, endpoint=settings.store_endpoint, page_size=page_size,
+                      rpc_timeout_s=settings.store_timeout_s)
+
+
+def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
+    pool = PagePool.create(pool_spec(config, settings))
+    store = open_store_client(settings, pool.spec.page_size)
+    if store is not None and not store.register_pool(pool.handle()):
+        logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
+                       settings.store_endpoint)
+    manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
+                             store_timeout_s=max(settings.store_timeout_s, 2.0))
+    return OwnedKVCache(pool, manager, store)

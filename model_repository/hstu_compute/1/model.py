@@ -1,0 +1,108 @@
+"""hstu_compute: one jagged batch of users through the AOTI package, per `execute`.
+
+Dynamic batching hands `execute` every queued request; their new tokens, page rows and
+candidates are ragged, so the batch is formed here (`PagedBatch.from_requests`), not padded by
+Triton. The package reads each user's cached prefix from the shared page pool and writes the new
+tokens' KV into it. If the batch fails, each request is retried alone so one bad request fails
+alone; a failed request's lease is aborted so its pages return at once.
+"""
+import json
+import logging
+import time
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from compute import PagedBatch, load_compiled
+from deploy.settings import ServingSettings
+from deploy.triton_io import error_response, input_tensor, output_tensor
+from kvlifecycle.control import ControlClient
+from kvlifecycle.pool import PagePool
+
+logger = logging.getLogger("hstu_compute")
+
+POOL_WAIT_S = 120.0  # kv_lookup_alloc publishes the pool while Triton loads the models in parallel
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.settings = ServingSettings.from_env()
+        self.device = torch.device(self.settings.device)
+        self.run = load_compiled(self.settings.model_dir, self.settings.device)
+        self.control = ControlClient(self.settings.control_endpoint)
+        self.pool = None  # attached at the first request: the owner may not have published it yet
+        self.pool_stamp = None  # mtime of the handle file; a reloaded kv_lookup_alloc publishes anew
+
+    def execute(self, requests):
+        pool = self._attach_pool()
+        parsed = [self._parse(r) for r in requests]
+        good = [i for i, p in enumerate(parsed) if not isinstance(p, str)]
+        responses = [error_response(p) if isinstance(p, str) else None for p in parsed]
+        try:
+            for i, scores in zip(good, self._score(pool, [parsed[i] for i in good])):
+                responses[i] = self._response(scores, parsed[i][4])
+        except Exception:
+            logger.warning("batch of %d failed; retrying one by one", len(good), exc_info=True)
+            for i in good:
+                try:
+                    responses[i] = self._response(self._score(pool, [parsed[i]])[0], parsed[i][4])
+                except Exception as e:
+                    logger.error("hstu_compute failed on lease %d", parsed[i][4], exc_info=True)
+                    responses[i] = error_response(f"hstu_compute: {e}")
+                    self._abort(parsed[i][4])
+        return responses
+
+    def finalize(self):
+        self.control.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _parse(self, request):
+        """(new_tokens, cached_len, page_row, candidates, lease_id) or an error message."""
+        try:
+            new_tokens = input_tensor(request, "new_tokens").reshape(-1)
+            cached_len = int(input_tensor(request, "cached_len").reshape(-1)[0])
+            page_row = input_tensor(request, "page_row").reshape(-1)
+            candidates = input_tensor(request, "candidates").reshape(-1)
+            lease_id = int(input_tensor(request, "lease_id").reshape(-1)[0])
+        except Exception as e:
+            return f"hstu_compute: malformed request: {e}"
+        return new_tokens, cached_len, page_row, candidates, lease_id
+
+    def _score(self, pool: PagePool, items) -> list:
+        batch = PagedBatch.from_requests([(t, c, p, cand) for t, c, p, cand, _ in items])
+        scores = self.run(pool.tensor, batch)  # [sum c, num_tasks]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # KV written before kv_offload commits it
+        sizes = [int(item[3].numel()) for item in items]
+        return list(torch.split(scores, sizes))
+
+    def _response(self, scores: torch.Tensor, lease_id: int):
+        return pb_utils.InferenceResponse(output_tensors=[
+            output_tensor("candidate_scores", scores.unsqueeze(0)),  # [1, c, num_tasks]
+            output_tensor("done_lease_id", torch.tensor([[lease_id]], dtype=torch.int64)),
+        ])
+
+    def _abort(self, lease_id: int) -> None:
+        try:
+            self.control.abort(lease_id)
+        except Exception:
+            logger.warning("abort of lease %d not delivered; it expires instead", lease_id, exc_info=True)
+
+    def _attach_pool(self) -> PagePool:
+        path = self.settings.pool_handle_path
+        deadline = time.monotonic() + POOL_WAIT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hstu_compute: no page pool handle at {path} after {POOL_WAIT_S}s; "
+                                   "is kv_lookup_alloc loaded?")
+            time.sleep(0.1)
+        stamp = path.stat().st_mtime_ns
+        if stamp != self.pool_stamp:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = PagePool.attach(json.loads(path.read_text()))
+            self.pool_stamp = stamp
+        return self.pool

@@ -1,0 +1,80 @@
+"""hstu_monolithic: today's public deployment shape, the baseline every benchmark compares with.
+
+One instance, `max_batch_size: 0`, one request per call, and everything on the request's
+critical path, as in recsys-examples' Triton deployment: lookup -> allocate -> onboard ->
+compute -> commit -> offload launch -> wait -> reap. It uses the same kvlifecycle and compute
+code as the ensemble, with its own page pool (the same size) so the two never share state.
+"""
+import logging
+
+import triton_python_backend_utils as pb_utils
+
+from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_compiled
+from deploy.cache_owner import open_kv_cache
+from deploy.settings import ServingSettings
+from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.triton_metrics import KVMetrics
+from kvlifecycle.manager import Offloader
+from kvlifecycle.page_table import PoolExhausted
+
+logger = logging.getLogger("hstu_monolithic")
+
+OFFLOAD_WAIT_S = 10.0
+_METRIC_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
+                "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.settings = ServingSettings.from_env()
+        self.config = HSTUConfig.load(self.settings.model_dir)
+        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
+        self.run = load_compiled(self.settings.model_dir, self.settings.device)
+        manager = self.cache.manager
+        self.offloader = (Offloader(self.cache.store, manager.namespace, manager.page_size, manager.offload_done)
+                          if self.cache.store is not None else None)
+        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+
+    def execute(self, requests):
+        responses = [self._one(request) for request in requests]
+        self.metrics.update(self.cache.stats())
+        return responses
+
+    def _one(self, request):
+        manager = self.cache.manager
+        lease_id = None
+        try:
+            r = read_ranking_request(request, self.config)
+            tokens = history_tokens(r.item_ids, r.action_ids, self.config)
+            manager.expire_leases()
+            hit = manager.lookup(r.user_id, tokens)
+            alloc = manager.allocate(r.user_id, tokens, hit)
+            lease_id = alloc.lease_id
+            alloc = manager.onboard(alloc)
+            batch = PagedBatch.from_requests([(tokens[alloc.cached_len:], alloc.cached_len,
+                                               list(alloc.page_row), r.candidate_ids)])
+            scores = self.run(self.cache.pool.tensor, batch)  # [c, num_tasks]
+            if self.settings.device == "cuda":
+                import torch
+                torch.cuda.current_stream().synchronize()
+            items = manager.commit(lease_id)
+            lease_id = None
+            if self.offloader is not None and items:
+                self.offloader.launch(tokens, items)
+                self.offloader.flush(OFFLOAD_WAIT_S)  # wait + reap, on the critical path
+        except BadRequest as e:
+            return error_response(str(e))
+        except PoolExhausted as e:
+            return error_response(f"KV page pool exhausted, retry later: {e}")
+        except Exception as e:
+            logger.error("hstu_monolithic failed on a request", exc_info=True)
+            return error_response(f"hstu_monolithic: internal error: {e}")
+        finally:
+            if lease_id is not None:
+                manager.abort(lease_id)
+        return pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)])
+
+    def finalize(self):
+        if self.offloader is not None:
+            self.offloader.flush(OFFLOAD_WAIT_S)
+        self.cache.close()

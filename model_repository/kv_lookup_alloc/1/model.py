@@ -1,0 +1,89 @@
+"""kv_lookup_alloc: the owner of the KV cache. Per request: validate -> lookup -> allocate -> onboard.
+
+One instance (one process) owns the page table; it creates the device page pool at `initialize`
+and publishes its handle for hstu_compute and the host store, and serves the control plane that
+kv_offload (commits, offload completions) and hstu_compute (aborts) talk to. A bad request or an
+exhausted pool becomes an error response for that request only and changes no cache state.
+"""
+import json
+import logging
+import os
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from compute import HSTUConfig, fingerprint, history_tokens
+from deploy.settings import ServingSettings
+from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.triton_metrics import KVMetrics
+from kvlifecycle import ops
+from kvlifecycle.control import ControlServer
+from deploy.cache_owner import open_kv_cache
+from kvlifecycle.page_table import PoolExhausted
+
+logger = logging.getLogger("kv_lookup_alloc")
+
+_METRIC_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
+                "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.settings = ServingSettings.from_env()
+        self.config = HSTUConfig.load(self.settings.model_dir)
+        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
+        self.handle = ops.register(self.cache.manager)
+        _publish(self.settings.pool_handle_path, self.cache.pool.handle())
+        self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
+        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
+                    self.settings.store, self.settings.control_endpoint)
+
+    def execute(self, requests):
+        responses = [self._one(request) for request in requests]
+        self.metrics.update(self.cache.stats())
+        return responses
+
+    def _one(self, request):
+        try:
+            r = read_ranking_request(request, self.config)
+            tokens = history_tokens(r.item_ids, r.action_ids, self.config)
+            user = torch.tensor([r.user_id], dtype=torch.int64)
+            hit = ops.lookup(self.handle, user, tokens)  # [device_tokens, host_tokens]
+            meta, page_row = ops.allocate(self.handle, user, tokens, hit, self.config.page_size,
+                                          self.settings.lease_ttl_s)  # meta: [lease_id, cached_len, onboard]
+            task = ops.onboard_launch(self.handle, meta)
+            meta = ops.onboard_wait(self.handle, meta, task, self.settings.store_timeout_s * 4)
+            lease_id, cached_len = int(meta[0]), int(meta[1])  # a failed onboard only shrinks cached_len
+        except BadRequest as e:
+            return error_response(str(e))
+        except PoolExhausted as e:
+            return error_response(f"KV page pool exhausted, retry later: {e}")
+        except Exception as e:  # a bug must fail this request only, not the batch
+            logger.error("kv_lookup_alloc failed on a request", exc_info=True)
+            return error_response(f"kv_lookup_alloc: internal error: {e}")
+        row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
+        return pb_utils.InferenceResponse(output_tensors=[
+            output_tensor("new_tokens", row(tokens[cached_len:])),
+            output_tensor("cached_len", row([cached_len])),
+            output_tensor("page_row", row(page_row)),
+            output_tensor("candidates", row(r.candidate_ids)),
+            output_tensor("lease_id", row([lease_id])),
+        ])
+
+    def finalize(self):
+        self.control.close()
+        ops.unregister(self.handle)
+        self.cache.close()
+        try:
+            os.unlink(self.settings.pool_handle_path)
+        except FileNotFoundError:
+            pass
+
+
+def _publish(path, handle: dict) -> None:
+    """Write the pool handle atomically, so a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(handle, f)
+    os.replace(tmp, path)

@@ -1,0 +1,64 @@
+"""kv_offload: answer first, then commit and offload off the request's critical path.
+
+Decoupled: for each request it sends the scores with the FINAL flag at once (a client, and a
+perf_analyzer concurrency slot, is held until FINAL), then hands the lease to the background
+`OffloadWorker`, which commits it with the owner (kv_lookup_alloc), puts the new full pages into
+the host store and reaps finished puts. `finalize` (model unload, server stop) flushes: it waits
+for every pending offload before returning.
+"""
+import logging
+
+import triton_python_backend_utils as pb_utils
+
+from compute import HSTUConfig, fingerprint, history_tokens
+from deploy.cache_owner import open_store_client, pool_spec
+from deploy.settings import ServingSettings
+from deploy.triton_io import error_response, input_tensor, output_tensor
+from deploy.triton_metrics import KVMetrics
+from kvlifecycle.offload_worker import OffloadWorker
+from kvlifecycle.control import ControlClient
+
+logger = logging.getLogger("kv_offload")
+
+FLUSH_TIMEOUT_S = 60.0
+_METRIC_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
+                "store_errors"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.settings = ServingSettings.from_env()
+        self.config = HSTUConfig.load(self.settings.model_dir)
+        self.control = ControlClient(self.settings.control_endpoint)
+        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        spec = pool_spec(self.config, self.settings)
+        self.worker = OffloadWorker(self.control, open_store_client(self.settings, spec.page_size),
+                                    page_bytes=spec.page_bytes, namespace=fingerprint(self.settings.model_dir),
+                                    page_size=spec.page_size, on_stats=self.metrics.update)
+        self.worker.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            response, lease_id = error_response("kv_offload: internal error"), None
+            try:
+                scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
+                lease_id = int(input_tensor(request, "done_lease_id").reshape(-1)[0])
+                tokens = history_tokens(input_tensor(request, "item_ids"), input_tensor(request, "action_ids"),
+                                        self.config)
+                response = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores[0])])
+            except Exception as e:
+                logger.error("kv_offload: malformed request", exc_info=True)
+                response = error_response(f"kv_offload: {e}")
+            finally:
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if lease_id is not None:
+                self.worker.submit(lease_id, tokens)
+        return None
+
+    def finalize(self):
+        left = self.worker.stop(flush_timeout_s=FLUSH_TIMEOUT_S)
+        if left:
+            logger.warning("kv_offload: %d offloads still pending after %.0fs; their pages were not offloaded",
+                           left, FLUSH_TIMEOUT_S)
+        self.control.close()
