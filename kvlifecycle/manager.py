@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Allocation",
     "KVCacheManager",
+    "LeaseGone",
     "LookupResult",
     "OffloadItem",
     "Offloader",
