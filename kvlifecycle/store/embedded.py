@@ -154,7 +154,7 @@ class EmbeddedStoreClient(HostStoreClient):
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.01)
+            pause = min(pause * 2, 0.002)
         out.update({t: Status.TIMEOUT for t in pending})
         return {t: out[t] for t in task_ids}
 

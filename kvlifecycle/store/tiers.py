@@ -62,6 +62,7 @@ class DramTier:
                 f"give at least {page_bytes}")
         self.page_bytes = page_bytes
         self.slab = torch.empty((self.capacity_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self.slab.zero_()  # commit the memory now: the capacity is real, and copies never page-fault
         self._rows: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self._free: list[int] = list(range(self.capacity_pages - 1, -1, -1))  # pop() -> row 0 first
         self.evictions = 0
