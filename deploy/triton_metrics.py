@@ -18,6 +18,7 @@ Series (stats key -> metric{labels}):
 from __future__ import annotations
 
 import logging
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -59,8 +60,13 @@ class KVMetrics:
                 families[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kind_enum)
             self._metrics[key] = (kind, families[name].Metric(labels={"model": model, **labels}))
         self._families = families  # keep the families alive as long as their metrics
+        self._lock = threading.Lock()  # execute and background threads both publish
 
     def update(self, stats: dict[str, float]) -> None:
+        with self._lock:
+            self._update(stats)
+
+    def _update(self, stats: dict[str, float]) -> None:
         for key, (kind, metric) in self._metrics.items():
             if key not in stats:
                 continue

@@ -8,6 +8,7 @@ exhausted pool becomes an error response for that request only and changes no ca
 import json
 import logging
 import os
+import threading
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -23,6 +24,8 @@ from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("kv_lookup_alloc")
 
+METRICS_INTERVAL_S = 1.0
+
 _METRIC_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
                 "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
 
@@ -36,6 +39,10 @@ class TritonPythonModel:
         _publish(self.settings.pool_handle_path, self.cache.pool.handle())
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        # Commits and offload completions change the pool between requests: refresh the gauges.
+        self.stop_metrics = threading.Event()
+        self.metrics_thread = threading.Thread(target=self._refresh_metrics, name="kv-metrics", daemon=True)
+        self.metrics_thread.start()
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
 
@@ -71,7 +78,13 @@ class TritonPythonModel:
             output_tensor("lease_id", row([lease_id])),
         ])
 
+    def _refresh_metrics(self):
+        while not self.stop_metrics.wait(METRICS_INTERVAL_S):
+            self.metrics.update(self.cache.stats())
+
     def finalize(self):
+        self.stop_metrics.set()
+        self.metrics_thread.join()
         self.control.close()
         ops.unregister(self.handle)
         self.cache.close()
