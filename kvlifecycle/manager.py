@@ -331,8 +331,9 @@ class Offloader:
         self.page_size = page_size
         self.done = done
         self._lock = threading.Lock()
-        self._pending: dict[int, list[int]] = {}
-        self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0}
+        self._pending: dict[int, tuple[list[int], float]] = {}  # task -> (page ids, submit time)
+        self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0,
+                         "reaps": 0, "reap_latency_s_sum": 0.0}
 
     def launch(self, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
         """Submit the put of ``items`` (pages of the request ``token_ids``); the task id, or
@@ -358,7 +359,7 @@ class Offloader:
             self._report(page_ids, False)
             return None
         with self._lock:
-            self._pending[task] = page_ids
+            self._pending[task] = (page_ids, time.monotonic())
             self.counters["puts"] += 1
         return task
 
@@ -395,11 +396,14 @@ class Offloader:
             if status is None or name in ("UNREADY", "TIMEOUT"):
                 continue
             with self._lock:
-                page_ids = self._pending.pop(task, None)
-            if page_ids is None:
-                continue
-            ok = name == "SUCCESS"
-            self.counters["puts_ok" if ok else "puts_failed"] += 1
+                entry = self._pending.pop(task, None)
+                if entry is None:
+                    continue
+                page_ids, submitted = entry
+                ok = name == "SUCCESS"
+                self.counters["puts_ok" if ok else "puts_failed"] += 1
+                self.counters["reaps"] += 1
+                self.counters["reap_latency_s_sum"] += time.monotonic() - submitted
             self._report(page_ids, ok)
             reaped += 1
         return reaped
