@@ -118,7 +118,11 @@ class HSTUModel(nn.Module):
         key_pos = torch.arange(max_keys, device=device)  # [K]
         allowed = key_pos[None, None, :] < (query_pos + is_new)[:, :, None]  # [B, Q, K]
         distance = (query_pos[:, :, None] - key_pos[None, None, :]).clamp(0, self.config.max_history_tokens)
-        key_valid = (key_pos[None, :] < hist_lens[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        # Where each key comes from: the pool below cached_len, this call's new tokens up to
+        # hist_len (column key_pos - cached_len of the padded layout), zero past the history.
+        from_pool = (key_pos[None, :] < cached_lens[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        from_new = (key_pos[None, :] < hist_lens[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        new_column = (key_pos[None, :] - cached_lens[:, None]).clamp(0, max_new)  # [B, K]; max_new is a zero row
 
         # Pool rows, with the pool flattened to [L * P * 2 * S, H, D].
         page_ids = page_table.clamp(0, num_pages - 1)  # padding entries may be anything
@@ -130,22 +134,25 @@ class HSTUModel(nn.Module):
         token_page = page_table[token_user, token_pos // page_size]  # [T]
         token_offset = token_pos % page_size  # [T]
         flat_pool = kv_pool.view(num_layers * num_pages * 2 * page_size, num_heads, head_dim)
+        batch_index = torch.arange(num_users, device=device)[:, None]  # [B, 1]
+        write_rows, written = [], []
 
         for layer_index, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)  # u [B, Q, H*D]; v, q, k [B, Q, H, D]
 
-            # Write the new tokens' K and V of this layer, then read every key of the row.
-            write_rows = torch.cat([
-                _pool_rows(layer_index, token_page, 0, token_offset, num_pages, page_size),
-                _pool_rows(layer_index, token_page, 1, token_offset, num_pages, page_size),
-            ])  # [2T]
-            written = torch.cat([k[token_user, token_local], v[token_user, token_local]])  # [2T, H, D]
-            flat_pool.index_copy_(0, write_rows, written.to(kv_pool.dtype))
-            k_all = flat_pool[_pool_rows(layer_index, key_page, 0, key_offset, num_pages, page_size)]  # [B, K, H, D]
-            v_all = flat_pool[_pool_rows(layer_index, key_page, 1, key_offset, num_pages, page_size)]  # [B, K, H, D]
-            # Rows past the history are masked; zero them so stale pool contents (even NaN) never leak.
-            k_all = torch.where(key_valid, k_all.to(x.dtype), 0.0)
-            v_all = torch.where(key_valid, v_all.to(x.dtype), 0.0)
+            # Every key of the row: cached ones read from the pool (before anything is written,
+            # so the single write at the end can happen in place), new ones from k and v.
+            zero_row = torch.zeros_like(k[:, :1])  # [B, 1, H, D]
+            k_new = torch.cat([k[:, :max_new], zero_row], dim=1)[batch_index, new_column]  # [B, K, H, D]
+            v_new = torch.cat([v[:, :max_new], zero_row], dim=1)[batch_index, new_column]  # [B, K, H, D]
+            k_pool = flat_pool[_pool_rows(layer_index, key_page, 0, key_offset, num_pages, page_size)]  # [B, K, H, D]
+            v_pool = flat_pool[_pool_rows(layer_index, key_page, 1, key_offset, num_pages, page_size)]  # [B, K, H, D]
+            # Stale pool contents past cached_len (even NaN) never leak: where() selects, not blends.
+            k_all = torch.where(from_pool, k_pool.to(x.dtype), torch.where(from_new, k_new, 0.0))
+            v_all = torch.where(from_pool, v_pool.to(x.dtype), torch.where(from_new, v_new, 0.0))
+            write_rows += [_pool_rows(layer_index, token_page, 0, token_offset, num_pages, page_size),
+                           _pool_rows(layer_index, token_page, 1, token_offset, num_pages, page_size)]  # [T] each
+            written += [k[token_user, token_local], v[token_user, token_local]]  # [T, H, D] each
 
             bias_table = layer.bias_by_distance(self.bucket_of_distance)  # [H, max_distance + 1]
             bias = bias_table[:, distance]  # [H, B, Q, K]
@@ -154,12 +161,15 @@ class HSTUModel(nn.Module):
                 bias.transpose(0, 1), allowed[:, None], self.alpha, self.attention_norm,  # [B, H, Q, K], [B, 1, Q, K]
             ).transpose(1, 2)  # [B, H, Q, D] -> [B, Q, H, D]
 
-            # Each candidate also attends to itself (distance 0); new tokens already did via the pool.
+            # Each candidate also attends to itself (distance 0); new tokens already did via k_all.
             q_c, k_c, v_c = q[:, max_new:], k[:, max_new:], v[:, max_new:]  # [B, Mc, H, D]
             self_logits = (q_c * k_c).sum(-1) * self.alpha + bias_table[:, 0]  # [B, Mc, H]
             self_attended = (F.silu(self_logits) / self.attention_norm)[..., None] * v_c  # [B, Mc, H, D]
             attended = torch.cat([attended[:, :max_new], attended[:, max_new:] + self_attended], dim=1)
             x = layer.finish(attended, u, x)  # [B, Q, hidden]
+
+        # The only write: new tokens' K/V of every layer, last, so it is done in place on the pool.
+        flat_pool.index_copy_(0, torch.cat(write_rows), torch.cat(written).to(kv_pool.dtype))  # [2 * L * T, H, D]
 
         cand_user = torch.searchsorted(cand_offsets, torch.arange(num_cand, device=device), right=True) - 1  # [C]
         cand_local = torch.arange(num_cand, device=device) - cand_offsets[cand_user]  # [C]
