@@ -233,7 +233,9 @@ def build_model(model_dir: Path, device: str, model_config: Path | None = None) 
     model_dir.mkdir(parents=True, exist_ok=True)
     if model_config is not None:
         shutil.copyfile(model_config, model_dir / "hstu_config.json")
-    cmd = [str(Path(sys.executable).parent / "hstu-build"), "--model-dir", str(model_dir), "--device", device]
+    # `hstu-build`, spelled so that it also runs where the project is not pip-installed (GPU host).
+    cmd = [sys.executable, "-c", "import sys; from compute.build import main; sys.exit(main(sys.argv[1:]))",
+           "--model-dir", str(model_dir), "--device", device]
     logger.info("building model: %s", shlex.join(cmd))
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
 

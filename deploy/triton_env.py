@@ -49,7 +49,15 @@ class TritonInstall:
 
 
 def find_triton() -> TritonInstall:
-    """Find the tritonserver of the `nvidia-pytriton` wheel installed for this Python."""
+    """Find the tritonserver of the `nvidia-pytriton` wheel installed for this Python, or the one
+    unpacked from an offline bundle (`HSTU_TRITON_HOME`, see deploy/setup_offline.sh)."""
+    home = os.environ.get("HSTU_TRITON_HOME")
+    if home:
+        install = TritonInstall(Path(home) / "pytriton" / "tritonserver")
+        if not install.binary.exists():
+            raise RuntimeError(f"HSTU_TRITON_HOME={home}: no tritonserver at {install.binary}; "
+                               "unpack the bundle with deploy/setup_offline.sh")
+        return install
     try:
         import pytriton  # noqa: F401  (only its location is needed)
     except ImportError as e:
