@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL_DIR", "build", "build_key", "main", "package_path", "read_build_key"]
 
-DEFAULT_MODEL_DIR = Path("model_repository") / "hstu_compute" / "1"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "hstu_compute" / "1"
 GPU_HOST_CXX = "/usr/bin/g++"  # DESIGN.md: the GPU image's default compiler builds packages that segfault
 GPU_HOST_CC = "/usr/bin/gcc"
 
