@@ -4,8 +4,10 @@ the page hash chain, behind an API shaped like FlexKV's ``KVManager``.
 Operations, in the order they are called (``store = open_store(kind, **cfg)``):
 
 0. ``store.register_pool(pool.handle())`` once per process that owns or attaches the pool,
-   so the store knows which memory slots refer to (sent again by the client when a restarted
-   store asks for it).
+   so the store knows which memory this client's slots refer to (sent again by the client
+   when a restarted store asks for it). Equivalently pass ``pool_handle=`` to ``open_store``:
+   the client registers on first need. Several pools (owners) may share one store; each
+   client's transfers go to its own pool, and stored pages (keyed by content) are shared.
 1. Lookup: ``task_id, mask = store.get_match(token_ids, namespace)``. ``mask`` is a bool
    array over ``token_ids``, True for the longest prefix of whole pages the store holds
    (keys: ``kvlifecycle.hashing.page_keys(token_ids, namespace, page_size)``). Never blocks
@@ -34,9 +36,11 @@ not ordered. A task is SUCCESS only when its last byte is in place.
 Backends (``open_store(kind, **cfg)``):
 - ``embedded`` (default): our store server process (``python -m kvlifecycle.store``, see
   ``server.py``) over pyzmq; it attaches the pool and copies pages itself; DRAM tier (LRU,
-  byte capacity) and optional disk tier (write-behind, checksummed, survives restarts).
+  byte capacity) and optional disk tier (write-behind, checksummed, survives restarts),
+  shared by every attached pool of one page geometry (another geometry is refused).
   cfg: ``endpoint``, ``page_size``, ``rpc_timeout_s``, ``retry_interval_s``,
-  ``task_start_timeout_s``, ``pool_handle``.
+  ``task_start_timeout_s``, ``pool_handle`` (the pool this client's slots refer to; a process
+  that only offloads another process's pool passes that owner's published handle).
 - ``mooncake``: Mooncake Store (``mooncake-transfer-engine``), pages as objects keyed by the
   hex chain key; copies happen in the calling process (``mooncake.py``).
 - ``flexkv``: FlexKV's ``KVManager`` when ``import flexkv`` works (FlexKV is not on PyPI).

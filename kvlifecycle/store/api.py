@@ -50,8 +50,10 @@ class HostStoreClient(abc.ABC):
 
     @abc.abstractmethod
     def register_pool(self, handle: dict[str, Any]) -> bool:
-        """Tell the store which device page pool (``PagePool.handle()``) slots refer to.
-        Returns False when the store cannot be reached (it is sent again on reconnect)."""
+        """Tell the store which device page pool (``PagePool.handle()``) this client's slots
+        refer to; later puts/gets copy to/from that pool, whatever other clients registered.
+        Returns False when the store cannot be reached or refuses the pool (it is sent again
+        on reconnect)."""
 
     @abc.abstractmethod
     def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:

@@ -13,6 +13,14 @@ arrives after ``accept_by`` and never starts a task after ``start_by``. So a tas
 submit RPC timed out is FAILED at once, and a submitted task is reported FAILED while the
 store is unreachable only once ``start_by`` (plus a grace) passed: its pool pages can then
 be reused without the store reading or writing them later.
+
+Pools: every put/get names the device page pool it copies to/from (``protocol.pool_id`` of
+the client's handle), so several pool owners can share one store. A client knows its pool
+from ``pool_handle=`` (a process that only offloads from another process's pool, e.g.
+``kv_offload``, passes the owner's published handle) or from its last ``register_pool``. It
+registers lazily: when the server answers ``NO_POOL`` (first use, store restarted, pool not
+yet attached) the client sends ``register_pool`` and retries once. A client with no pool
+sends none; the server then uses its own ``--pool-handle`` pool or refuses (``NO_POOL``).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import zmq
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
                                    select_pages)
-from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode
+from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode, pool_id
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,10 @@ class EmbeddedStoreClient(HostStoreClient):
     Ordering guarantee: tasks are queued by the server in the order their submit RPCs
     arrive, and one client's RPCs are sent one at a time, so a client's tasks are copied in
     submission order.
+
+    ``pool_handle``: the ``PagePool.handle()`` of the pool this client's slots refer to (its
+    own, or the one of the process it offloads for); registered with the server on first
+    need. ``register_pool`` sets it too. Without either, transfers use the server's own pool.
     """
 
     def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = 0.5,
@@ -80,6 +92,7 @@ class EmbeddedStoreClient(HostStoreClient):
         self.retry_interval_s = retry_interval_s
         self.task_start_timeout_s = task_start_timeout_s
         self._pool_handle = pool_handle
+        self._pool_id = pool_id(pool_handle) if pool_handle is not None else None
         self._client_id = uuid.uuid4().hex
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -97,8 +110,15 @@ class EmbeddedStoreClient(HostStoreClient):
     # -- public API ---------------------------------------------------------------------
 
     def register_pool(self, handle: dict[str, Any]) -> bool:
-        self._pool_handle = handle
+        """Make ``handle``'s pool the one this client's slots refer to, and attach it in the
+        server. False when the store is unreachable or refused it (logged and counted); the
+        pool is still this client's, registered again on the next ``NO_POOL``."""
+        with self._lock:
+            self._pool_handle = handle
+            self._pool_id = pool_id(handle)
         reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle})
+        if reply is not None and reply["rpc"] != RpcStatus.OK.value:
+            self._count_refusal("register_pool", reply)
         return reply is not None and reply["rpc"] == RpcStatus.OK.value
 
     def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
@@ -234,6 +254,8 @@ class EmbeddedStoreClient(HostStoreClient):
         start_by = now + self.task_start_timeout_s
         header = {"op": op.value, "task": task_id, "ns": namespace, "page_size": self.page_size,
                   "start_by": start_by}
+        if self._pool_id is not None:
+            header["pool"] = self._pool_id
         arrays = {"tokens": tokens, "seq_pages": seq_pages, "pool_pages": pool_pages}
         reply = self._rpc(header, arrays, accept_deadline=True)
         with self._lock:

@@ -11,23 +11,29 @@ and ``rpc`` (an ``RpcStatus`` value).
 Requests (``op``; fields besides ``v``, ``seq``, ``client``):
 - ``ping``                                       -> {}
 - ``stats``                                      -> {"stats": {...}}
-- ``register_pool`` handle                       -> {}
+- ``register_pool`` handle                       -> {"pool": pool id} (attached, or already was)
 - ``match`` ns, page_size; arrays tokens         -> {"pages": k}
-- ``put``/``get`` task, ns, page_size;
+- ``put``/``get`` task, ns, page_size, [pool];
   arrays tokens, seq_pages, pool_pages           -> {} (accepted; poll for the outcome)
 - ``poll`` tasks                                 -> {"tasks": {"<id>": "<Status>"}} (done ones are forgotten)
 - ``cancel`` tasks                               -> {}
+
+``pool`` names the device page pool the task copies to/from: ``pool_id(handle)`` of a handle
+the server attached (``register_pool``). Without it the task uses the server's own pool
+(``--pool-handle``). An unknown pool id, or none when the server has no pool of its own,
+is answered ``NO_POOL``; the client then sends ``register_pool`` and retries once.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["PROTOCOL_VERSION", "Op", "RpcStatus", "encode", "decode"]
+__all__ = ["PROTOCOL_VERSION", "Op", "RpcStatus", "encode", "decode", "pool_id"]
 
 PROTOCOL_VERSION = 1
 _INT64 = np.dtype("<i8")
@@ -49,7 +55,7 @@ class RpcStatus(str, enum.Enum):
 
     OK = "ok"
     BAD_REQUEST = "bad_request"  # malformed or inconsistent request; ``error`` says which field
-    NO_POOL = "no_pool"          # a transfer arrived before any page pool was registered
+    NO_POOL = "no_pool"          # the transfer's page pool is not attached (register_pool, then retry)
     BUSY = "busy"                # the server is stopping and takes no new tasks
     ERROR = "error"              # the server failed; ``error`` says why
 
@@ -87,3 +93,23 @@ def decode(frames: Sequence[bytes]) -> tuple[dict[str, Any], dict[str, np.ndarra
             raise ValueError(f"message array {name!r}: {len(data)} bytes is not a whole number of int64")
         arrays[str(name)] = np.frombuffer(data, dtype=_INT64)
     return header, arrays
+
+
+# Fields of a CUDA IPC handle that change on every ``PagePool.handle()`` export of one pool.
+_PER_EXPORT_IPC_FIELDS = ("ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+
+
+def pool_id(handle: dict[str, Any]) -> str:
+    """A stable name (32 hex digits) for the page pool a ``PagePool.handle()`` describes: the
+    same for every handle of one pool (the per-export fields of a CUDA IPC handle are left
+    out), different for two pools alive at once (a shm handle names its unique file, a CUDA
+    handle its IPC memory handle and offsets; a handle carrying a ``uuid`` is named by it).
+    Computed the same way by client and server."""
+    if isinstance(handle.get("uuid"), str):
+        return hashlib.blake2b(handle["uuid"].encode("utf-8"), digest_size=16).hexdigest()
+    stable = dict(handle)
+    ipc = stable.get("ipc")
+    if isinstance(ipc, dict):
+        stable["ipc"] = {k: v for k, v in ipc.items() if k not in _PER_EXPORT_IPC_FIELDS}
+    text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
