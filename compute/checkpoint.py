@@ -86,12 +86,16 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
 
 
 def fingerprint(model_dir: str | os.PathLike) -> str:
-    """sha256 hex digest of the folder's config JSON and weights (see the module docstring)."""
+    """sha256 hex digest of the folder's config JSON and weights (see the module docstring), and
+    of the model's source: KV computed by other maths must not be read back (invariant 2)."""
+    from compute import model as model_module  # late: model imports this module's neighbours
+
     folder = Path(model_dir)
     config = HSTUConfig.load(folder)
     digest = hashlib.sha256()
-    digest.update(b"hstu-compute.fingerprint.v1\0")
+    digest.update(b"hstu-compute.fingerprint.v2\0")
     digest.update(config.to_json().encode("utf-8"))
+    digest.update(Path(model_module.__file__).read_bytes())
     state = _load_state(folder)
     for name in sorted(state):
         tensor = state[name].detach().cpu().contiguous()
