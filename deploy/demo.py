@@ -9,14 +9,16 @@ reference scorer, prints throughput, latency and the KV-cache metrics, then stop
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import urllib.request
+from pathlib import Path
 
+from compute import HSTUConfig
 from deploy.client import check_scores, replay
 from deploy.launcher import LaunchConfig, Server
 from deploy.schema import ENSEMBLE, MONOLITHIC
-from deploy.settings import DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate
 
 
@@ -31,28 +33,50 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--users", type=int, default=20)
     p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--median-events", type=float, default=200.0, help="median initial history, in events")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8],
+                   help="one or more concurrency levels; scores are checked at the first")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the repository's)")
+    p.add_argument("--pool-pages", type=int, default=4096)
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="max abs diff vs the fp32 reference (state a larger one for bf16/fp16 configs)")
+    p.add_argument("--json-out", type=Path, help="also write the results as JSON")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    trace = generate(TraceConfig(num_users=a.users, num_requests=a.requests))
-    config = LaunchConfig(http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port)
+    config = LaunchConfig(http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
+                          device=a.device, model_config=a.model_config, pool_pages=a.pool_pages)
+    report: dict = {"device": a.device, "tolerance": a.tolerance, "runs": []}
     failed = False
     with Server(config) as server:
+        model_cfg = HSTUConfig.load(server.settings.model_dir)
+        trace = generate(TraceConfig(num_users=a.users, num_requests=a.requests, initial_events_median=a.median_events,
+                                     max_history_events=model_cfg.max_history_events))
+        report["model_config"] = json.loads(model_cfg.to_json())
         print(f"\nserving on grpc {server.grpc_url}, http {server.http_url}, metrics {server.metrics_url}\n")
-        print(f"{'model':<18}{'ok':>6}{'errors':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max |diff|':>12}")
-        for model in (ENSEMBLE, MONOLITHIC):
-            result = replay(trace, server.grpc_url, model=model, concurrency=a.concurrency)
-            worst = check_scores(trace, result, DEFAULT_MODEL_REPOSITORY)
-            failed |= bool(result.errors) or worst > 1e-4
-            print(f"{model:<18}{len(result.scores):>6}{len(result.errors):>8}{result.throughput:>9.1f}"
-                  f"{result.percentile_ms(50):>9.1f}{result.percentile_ms(99):>9.1f}{worst:>12.2e}")
+        print(f"{'model':<18}{'conc':>5}{'ok':>6}{'errors':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max |diff|':>12}")
+        for n, concurrency in enumerate(a.concurrency):
+            for model in (ENSEMBLE, MONOLITHIC):
+                result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
+                worst = check_scores(trace, result, server.settings.model_dir) if n == 0 else float("nan")
+                failed |= bool(result.errors) or worst > a.tolerance
+                report["runs"].append({"model": model, "concurrency": concurrency, "ok": len(result.scores),
+                                       "errors": len(result.errors), "throughput": result.throughput,
+                                       "p50_ms": result.percentile_ms(50), "p99_ms": result.percentile_ms(99),
+                                       "max_abs_diff": worst})
+                print(f"{model:<18}{concurrency:>5}{len(result.scores):>6}{len(result.errors):>8}"
+                      f"{result.throughput:>9.1f}{result.percentile_ms(50):>9.1f}{result.percentile_ms(99):>9.1f}"
+                      f"{worst:>12.2e}")
         print("\nKV-cache metrics:")
-        for line in cache_metrics(server.metrics_url):
+        report["metrics"] = cache_metrics(server.metrics_url)
+        for line in report["metrics"]:
             print("  " + line)
+    if a.json_out:
+        a.json_out.write_text(json.dumps(report, indent=2))
     print("\nstopped cleanly" + ("; SOME CHECKS FAILED" if failed else "; all scores match the reference"))
     return 1 if failed else 0
 
