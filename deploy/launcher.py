@@ -57,6 +57,7 @@ class LaunchConfig:
     exit_timeout_s: int = 60
     run_dir: Path | None = None  # default: a fresh directory under /tmp
     extra_env: dict[str, str] = field(default_factory=dict)
+    store_extra_args: list[str] = field(default_factory=list)  # e.g. ["--debug-copy-delay-s", "3"] in tests
 
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit"):
@@ -131,14 +132,19 @@ class Server:
 
     def start_store(self) -> None:
         """Start the embedded host store (also used by tests to bring it back after a kill)."""
+        if self.store is not None and self.store.poll() is None:
+            raise RuntimeError(f"host store pid {self.store.pid} is still running; stop or kill it first")
         cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", self.settings.store_endpoint,
                "--dram-bytes", str(self.config.store_dram_bytes)]
         if self.config.store_disk_dir:
             cmd += ["--disk-dir", str(self.config.store_disk_dir)]
+        cmd += list(self.config.store_extra_args)
+        sock = Path(self.settings.store_endpoint.removeprefix("ipc://"))
+        # A killed store leaves its socket file behind; without this the wait below would pass at once.
+        sock.unlink(missing_ok=True)
         log = open(self.store_log, "ab")
         self.store = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                       start_new_session=True, preexec_fn=_die_with_parent)
-        sock = Path(self.settings.store_endpoint.removeprefix("ipc://"))
         _wait_for(lambda: sock.exists() or self.store.poll() is not None, 30, "host store socket")
         if self.store.poll() is not None:
             raise RuntimeError(f"host store exited with {self.store.returncode}:\n{_tail(self.store_log)}")

@@ -14,6 +14,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import PagedBatch, load_compiled
+from deploy import faults
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
 from kvlifecycle.control import ControlClient
@@ -32,6 +33,7 @@ class TritonPythonModel:
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.pool_stamp = None  # mtime of the handle file; a reloaded kv_lookup_alloc publishes anew
+        self.fault = faults.compute_fault()  # test fault injection (HSTU_FAULTS); None in a deployment
 
     def execute(self, requests):
         pool = self._attach_pool()
@@ -72,6 +74,8 @@ class TritonPythonModel:
         return new_tokens, cached_len, page_row, candidates, lease_id
 
     def _score(self, pool: PagePool, items) -> list:
+        if self.fault is not None:
+            self.fault([item[3] for item in items])
         batch = PagedBatch.from_requests([(t, c, p, cand) for t, c, p, cand, _ in items])
         scores = self.run(pool.tensor, batch)  # [sum c, num_tasks]
         if self.device.type == "cuda":
