@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class OwnedKVCache:
     pool: PagePool
+    handle: dict  # the pool's handle, exported once: registered with the store and published as is
     manager: KVCacheManager
     store: HostStoreClient | None
 
@@ -45,19 +46,30 @@ def pool_spec(config, settings: ServingSettings) -> PoolSpec:
 
 
 def open_store_client(settings: ServingSettings, page_size: int) -> HostStoreClient | None:
-    """The host store client for `settings.store`, or None for `--store none`."""
+    """The host store client for `settings.store`, or None for `--store none`.
+
+    Every client names the pool its slots refer to with `register_pool(handle)`: the owner
+    registers its own pool, and kv_offload registers the owner's published pool (the embedded
+    store copies from the pool its client named; the mooncake client copies in this process).
+    mooncake: `store_endpoint` is the master's HOST:PORT."""
     if settings.store == "none":
         return None
+    if settings.store == "mooncake":
+        return open_store("mooncake", master_address=settings.store_endpoint, page_size=page_size,
+                          rpc_timeout_s=settings.store_timeout_s,
+                          global_segment_bytes=settings.mooncake_segment_bytes,
+                          local_hostname=settings.mooncake_local_hostname)
     return open_store(settings.store, endpoint=settings.store_endpoint, page_size=page_size,
                       rpc_timeout_s=settings.store_timeout_s)
 
 
 def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
     pool = PagePool.create(pool_spec(config, settings))
+    handle = pool.handle()
     store = open_store_client(settings, pool.spec.page_size)
-    if store is not None and not store.register_pool(pool.handle()):
+    if store is not None and not store.register_pool(handle):
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
                        settings.store_endpoint)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
                              store_timeout_s=max(settings.store_timeout_s, 2.0))
-    return OwnedKVCache(pool, manager, store)
+    return OwnedKVCache(pool, handle, manager, store)

@@ -6,15 +6,13 @@ Triton. The package reads each user's cached prefix from the shared page pool an
 tokens' KV into it. If the batch fails, each request is retried alone so one bad request fails
 alone; a failed request's lease is aborted so its pages return at once.
 """
-import json
 import logging
-import time
 
 import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import PagedBatch, load_compiled
-from deploy import faults
+from deploy import faults, pool_handle
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
 from kvlifecycle.control import ControlClient
@@ -22,7 +20,6 @@ from kvlifecycle.pool import PagePool
 
 logger = logging.getLogger("hstu_compute")
 
-POOL_WAIT_S = 120.0  # kv_lookup_alloc publishes the pool while Triton loads the models in parallel
 
 
 class TritonPythonModel:
@@ -32,7 +29,7 @@ class TritonPythonModel:
         self.run = load_compiled(self.settings.model_dir, self.settings.device)
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
-        self.pool_stamp = None  # mtime of the handle file; a reloaded kv_lookup_alloc publishes anew
+        self.published_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
         self.fault = faults.compute_fault()  # test fault injection (HSTU_FAULTS); None in a deployment
 
     def execute(self, requests):
@@ -96,17 +93,9 @@ class TritonPythonModel:
             logger.warning("abort of lease %d not delivered; it expires instead", lease_id, exc_info=True)
 
     def _attach_pool(self) -> PagePool:
-        path = self.settings.pool_handle_path
-        deadline = time.monotonic() + POOL_WAIT_S
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"hstu_compute: no page pool handle at {path} after {POOL_WAIT_S}s; "
-                                   "is kv_lookup_alloc loaded?")
-            time.sleep(0.1)
-        stamp = path.stat().st_mtime_ns
-        if stamp != self.pool_stamp:
+        handle = self.published_pool.poll()  # a new handle when kv_lookup_alloc (re)published it
+        if handle is not None:
             if self.pool is not None:
                 self.pool.close()
-            self.pool = PagePool.attach(json.loads(path.read_text()))
-            self.pool_stamp = stamp
+            self.pool = PagePool.attach(handle)
         return self.pool

@@ -5,9 +5,7 @@ and publishes its handle for hstu_compute and the host store, and serves the con
 kv_offload (commits, offload completions) and hstu_compute (aborts) talk to. A bad request or an
 exhausted pool becomes an error response for that request only and changes no cache state.
 """
-import json
 import logging
-import os
 import threading
 
 import torch
@@ -19,6 +17,7 @@ from deploy.triton_io import BadRequest, error_response, output_tensor, read_ran
 from deploy.triton_metrics import KVMetrics
 from kvlifecycle import ops
 from kvlifecycle.control import ControlServer
+from deploy import pool_handle
 from deploy.cache_owner import open_kv_cache
 from kvlifecycle.page_table import PoolExhausted
 
@@ -36,7 +35,7 @@ class TritonPythonModel:
         self.config = HSTUConfig.load(self.settings.model_dir)
         self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
         self.handle = ops.register(self.cache.manager)
-        _publish(self.settings.pool_handle_path, self.cache.pool.handle())
+        pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
         # Commits and offload completions change the pool between requests: refresh the gauges.
@@ -88,15 +87,4 @@ class TritonPythonModel:
         self.control.close()
         ops.unregister(self.handle)
         self.cache.close()
-        try:
-            os.unlink(self.settings.pool_handle_path)
-        except FileNotFoundError:
-            pass
-
-
-def _publish(path, handle: dict) -> None:
-    """Write the pool handle atomically, so a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(handle, f)
-    os.replace(tmp, path)
+        pool_handle.unpublish(self.settings.pool_handle_path)

@@ -11,6 +11,7 @@ import logging
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
+from deploy import pool_handle
 from deploy.cache_owner import open_store_client, pool_spec
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
@@ -32,7 +33,9 @@ class TritonPythonModel:
         self.control = ControlClient(self.settings.control_endpoint)
         self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
         spec = pool_spec(self.config, self.settings)
-        self.worker = OffloadWorker(self.control, open_store_client(self.settings, spec.page_size),
+        self.store = open_store_client(self.settings, spec.page_size)
+        self.owner_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
+        self.worker = OffloadWorker(self.control, self.store,
                                     page_bytes=spec.page_bytes, namespace=fingerprint(self.settings.model_dir),
                                     page_size=spec.page_size, on_stats=self.metrics.update)
         self.worker.start()
@@ -53,12 +56,28 @@ class TritonPythonModel:
             finally:
                 sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             if lease_id is not None:
+                self._register_owner_pool()
                 self.worker.submit(lease_id, tokens)
         return None
+
+    def _register_owner_pool(self):
+        """Name kv_lookup_alloc's pool (again when it re-created it) to the store client: the
+        pages to offload are in that pool. It is published: kv_lookup_alloc answered this request."""
+        if self.store is None:
+            return
+        try:
+            handle = self.owner_pool.poll()
+            if handle is not None:
+                self.store.register_pool(handle)
+        except (OSError, ValueError, RuntimeError):
+            logger.warning("kv_offload: cannot register the owner's pool from %s; offloads fail until it can",
+                           self.settings.pool_handle_path, exc_info=True)
 
     def finalize(self):
         left = self.worker.stop(flush_timeout_s=FLUSH_TIMEOUT_S)
         if left:
             logger.warning("kv_offload: %d offloads still pending after %.0fs; their pages were not offloaded",
                            left, FLUSH_TIMEOUT_S)
+        if self.store is not None:
+            self.store.close()
         self.control.close()
