@@ -76,7 +76,7 @@ class BenchConfig:
     warmup_requests: int = 32
     perf_analyzer: bool = True
     phases: tuple[str, ...] = ("sweep", "cache", "hop_overhead", "offload")
-    pa_interval_ms: int = 2000
+    pa_requests: int = 128  # perf_analyzer: requests measured per point (at least 8 per stream)
     overhead_requests: int = 30
     offload_concurrency: int = 8
     seed: int = 0
@@ -89,7 +89,7 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> "BenchConfig":
-        return cls(users=16, requests=64, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=1500,
+        return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_requests=64,
                    overhead_requests=20)
 
 
@@ -218,10 +218,15 @@ class Bench:
 
     def measured_replay(self, server: Server, model: str, concurrency: int) -> dict[str, Any]:
         trace = self.fresh_trace()
-        before = model_stats(server)
+        before, metrics_before = model_stats(server), scrape_metrics(server)
         result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
-        after = model_stats(server)
-        return _run_summary(result, stats_delta(before, after))
+        after, metrics_after = model_stats(server), scrape_metrics(server)
+        run = _run_summary(result, stats_delta(before, after))
+        owner = LOOKUP if model == ENSEMBLE else MONOLITHIC  # lookup counters move inside execute: no lag
+        lookups = cache_stats(metrics_before, metrics_after, self.model["page_bytes"]).get(owner, {})
+        run["miss_rate"] = lookups.get("miss_rate", float("nan"))
+        run["device_hit_rate"] = lookups.get("device_hit_rate", float("nan"))
+        return run
 
     def perf_analyzer_sweep(self) -> dict[str, Any]:
         points = []
@@ -232,7 +237,7 @@ class Bench:
                     data = Path(tmp) / f"{model}-{c}.json"
                     data.write_text(json.dumps(perf_analyzer_data(self.fresh_trace())))
                     point[model] = run_perf_analyzer(self.server, model, c, data, Path(tmp) / f"{model}-{c}.csv",
-                                                     self.cfg.pa_interval_ms)
+                                                     self.cfg.pa_requests)
                     logger.info("perf_analyzer c=%d %s: %s req/s, p99 %s ms", c, model,
                                 point[model].get("throughput"), point[model].get("p99_ms"))
                 points.append(point)
@@ -273,7 +278,7 @@ class Bench:
                 row: dict[str, Any] = {"history_tokens": tokens, "new_tokens_on_hit": 2 * CACHE_NEW_EVENTS,
                                        "candidates": CACHE_CANDIDATES}
                 for model in MODELS:
-                    row[model] = {kind: _timed_summary(s) for kind, s in samples[model].items()}
+                    row[model] = {kind: _timed_summary(s, kind) for kind, s in samples[model].items()}
                     miss, hit = row[model]["miss"], row[model]["device_hit"]
                     row[model]["miss_over_device_hit"] = miss["latency_ms"]["median"] / hit["latency_ms"]["median"]
                     row[model]["miss_over_host_hit"] = (miss["latency_ms"]["median"]
@@ -366,13 +371,16 @@ class Bench:
 
     def _timed(self, client: RankingClient, model: str, request: RankingRequest) -> dict[str, float]:
         """One request: client latency, and the server-side compute of the model doing the math."""
-        before = model_stats(self.server)
+        before, metrics_before = model_stats(self.server), scrape_metrics(self.server)
         t0 = time.perf_counter()
         client.score(request)
         latency = time.perf_counter() - t0
         delta = stats_delta(before, model_stats(self.server))
+        lookups = cache_stats(metrics_before, scrape_metrics(self.server), 0).get(LOOKUP if model == ENSEMBLE else model, {})
+        outcome = next((o for o in ("device_hit", "host_hit", "miss") if lookups.get(f"lookups_{o}")), "unknown")
         hop = COMPUTE if model == ENSEMBLE else MONOLITHIC
-        return {"latency_ms": latency * 1e3, "compute_ms": delta.get(hop, {}).get("compute_infer_ms", float("nan"))}
+        return {"latency_ms": latency * 1e3, "outcome": outcome,
+                "compute_ms": delta.get(hop, {}).get("compute_infer_ms", float("nan"))}
 
 
 # ---- Triton statistics and metrics -----------------------------------------------------------------
@@ -471,13 +479,12 @@ def cache_stats(before: dict, after: dict, page_bytes: int) -> dict[str, dict[st
 # ---- perf_analyzer ---------------------------------------------------------------------------------
 
 def run_perf_analyzer(server: Server, model: str, concurrency: int, data: Path, csv: Path,
-                      interval_ms: int) -> dict[str, Any]:
+                      window_requests: int) -> dict[str, Any]:
     cmd = [str(Path(sys.executable).parent / "perf_analyzer"), "-m", model, "-u", server.grpc_url, "-i", "grpc",
            "--streaming", "--async", "--input-data", str(data), "--concurrency-range", str(concurrency),
-           "--measurement-interval", str(interval_ms), "--max-trials", "3",
-           # a cross-check, not a search: take the first 3 windows whatever their spread (the trace
-           # mixes 10 ms hits and 1 s misses, so windows of a few seconds never agree within 10%)
-           "--stability-percentage", "1000",
+           # A cross-check, not a search: one measurement of a fixed number of requests. Its stability
+           # check (max/min of 3 windows' latency) never passes on a trace mixing 5 ms hits and 1 s misses.
+           "--request-count", str(max(window_requests, 8 * concurrency)),
            "-f", str(csv)]
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -515,6 +522,7 @@ def summarize(report: dict) -> dict[str, Any]:
                "throughput_ratio": e["throughput"]["median"] / m["throughput"]["median"],
                "ensemble_p99_ms": e["p99_ms"]["median"], "monolithic_p99_ms": m["p99_ms"]["median"],
                "p99_ratio": e["p99_ms"]["median"] / m["p99_ms"]["median"],
+               "ensemble_miss_rate": e["miss_rate"]["median"], "monolithic_miss_rate": m["miss_rate"]["median"],
                "ensemble_rps_spread": [e["throughput"]["min"], e["throughput"]["max"]],
                "monolithic_rps_spread": [m["throughput"]["min"], m["throughput"]["max"]]}
         pa = next((p for p in phases.get("perf_analyzer", {}).get("points", [])
@@ -568,13 +576,13 @@ def format_summary(report: dict) -> str:
              f"load average {report['load_before']} -> {report['load_after']}"]
     if s["rows"]:
         lines.append(f"{'conc':>4} {'ens req/s':>10} {'mono req/s':>10} {'ens/mono':>8} {'ens p99':>8} {'mono p99':>8}"
-                     f" {'p99 e/m':>7} {'PA ens':>7} {'PA mono':>7} {'PA e/m':>7}")
+                     f" {'p99 e/m':>7} {'miss e':>6} {'miss m':>6} {'PA ens':>7} {'PA mono':>7} {'PA e/m':>7}")
     for r in s["rows"]:
         pa = (f"{r['pa_ensemble_rps']:>7.1f} {r['pa_monolithic_rps']:>7.1f} {r['pa_throughput_ratio']:>6.2f}x"
               if "pa_throughput_ratio" in r else f"{'-':>7} {'-':>7} {'-':>7}")
         lines.append(f"{r['concurrency']:>4} {r['ensemble_rps']:>10.1f} {r['monolithic_rps']:>10.1f}"
                      f" {r['throughput_ratio']:>7.2f}x {r['ensemble_p99_ms']:>8.1f} {r['monolithic_p99_ms']:>8.1f}"
-                     f" {r['p99_ratio']:>7.2f} {pa}")
+                     f" {r['p99_ratio']:>7.2f} {r['ensemble_miss_rate']:>6.0%} {r['monolithic_miss_rate']:>6.0%} {pa}")
     g = s["goals"]
     if "throughput_ratio_c8" in g:
         t = g["throughput_ratio_c8"]
@@ -669,8 +677,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def _aggregate(runs: list[dict]) -> dict[str, Any]:
     """Median and spread over runs of each figure, pooled percentiles, and per-hop statistics."""
-    out: dict[str, Any] = {k: _spread([r[k] for r in runs]) for k in ("throughput", "p50_ms", "p95_ms", "p99_ms",
-                                                                       "mean_ms")}
+    out: dict[str, Any] = {k: _spread([r[k] for r in runs if k in r])
+                           for k in ("throughput", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "miss_rate",
+                                     "device_hit_rate")}
     pooled = np.concatenate([r["latencies_ms"] for r in runs]) if runs else np.array([])
     out["pooled"] = {f"p{q}_ms": float(np.percentile(pooled, q)) for q in (50, 95, 99)} if pooled.size else {}
     out["errors"] = sum(r["errors"] for r in runs)
@@ -693,9 +702,15 @@ def _aggregate(runs: list[dict]) -> dict[str, Any]:
     return out
 
 
-def _timed_summary(samples: list[dict[str, float]]) -> dict[str, Any]:
-    return {"latency_ms": _spread([s["latency_ms"] for s in samples]),
-            "compute_ms": _spread([s["compute_ms"] for s in samples]), "samples": samples}
+def _timed_summary(samples: list[dict], kind: str) -> dict[str, Any]:
+    """Median and spread over the samples whose lookup outcome (from the metrics) was `kind`."""
+    good = [s for s in samples if s["outcome"] == kind]
+    if len(good) < len(samples):
+        logger.warning("cache: %d of %d '%s' samples had another lookup outcome (%s); left out",
+                       len(samples) - len(good), len(samples), kind, [s["outcome"] for s in samples])
+    return {"latency_ms": _spread([s["latency_ms"] for s in good]),
+            "compute_ms": _spread([s["compute_ms"] for s in good]), "outcome_mismatches": len(samples) - len(good),
+            "samples": samples}
 
 
 def _model_info(server: Server) -> dict[str, Any]:
