@@ -76,7 +76,7 @@ class BenchConfig:
     warmup_requests: int = 32
     perf_analyzer: bool = True
     phases: tuple[str, ...] = ("sweep", "cache", "hop_overhead", "offload")
-    pa_requests: int = 128  # perf_analyzer: requests measured per point (at least 8 per stream)
+    pa_interval_ms: int = 3000  # perf_analyzer: 3 windows of this length per point
     overhead_requests: int = 30
     offload_concurrency: int = 8
     seed: int = 0
@@ -89,7 +89,7 @@ class BenchConfig:
 
     @classmethod
     def quick(cls) -> "BenchConfig":
-        return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_requests=64,
+        return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=2000,
                    overhead_requests=20)
 
 
@@ -237,7 +237,7 @@ class Bench:
                     data = Path(tmp) / f"{model}-{c}.json"
                     data.write_text(json.dumps(perf_analyzer_data(self.fresh_trace())))
                     point[model] = run_perf_analyzer(self.server, model, c, data, Path(tmp) / f"{model}-{c}.csv",
-                                                     self.cfg.pa_requests)
+                                                     self.cfg.pa_interval_ms)
                     logger.info("perf_analyzer c=%d %s: %s req/s, p99 %s ms", c, model,
                                 point[model].get("throughput"), point[model].get("p99_ms"))
                 points.append(point)
@@ -479,12 +479,13 @@ def cache_stats(before: dict, after: dict, page_bytes: int) -> dict[str, dict[st
 # ---- perf_analyzer ---------------------------------------------------------------------------------
 
 def run_perf_analyzer(server: Server, model: str, concurrency: int, data: Path, csv: Path,
-                      window_requests: int) -> dict[str, Any]:
+                      interval_ms: int) -> dict[str, Any]:
     cmd = [str(Path(sys.executable).parent / "perf_analyzer"), "-m", model, "-u", server.grpc_url, "-i", "grpc",
            "--streaming", "--async", "--input-data", str(data), "--concurrency-range", str(concurrency),
-           # A cross-check, not a search: one measurement of a fixed number of requests. Its stability
-           # check (max/min of 3 windows' latency) never passes on a trace mixing 5 ms hits and 1 s misses.
-           "--request-count", str(max(window_requests, 8 * concurrency)),
+           # A cross-check, not a search: 3 time windows taken whatever their spread. The default check
+           # (max/min of 3 windows within 10%) never passes on a trace mixing 5 ms hits and 1 s misses,
+           # and --request-count reports count / 1 s as the throughput.
+           "--measurement-interval", str(interval_ms), "--max-trials", "3", "--stability-percentage", "100000",
            "-f", str(csv)]
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
