@@ -340,9 +340,11 @@ class Bench:
                 for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
                     server = self.server if side == "on" else off
                     runs[model][side].append(self.measured_replay(server, model, c))
+                    _drain_offloads(server)  # a run's deferred offloads must not land in the next run
         out: dict[str, Any] = {"concurrency": c, "method": (
             "server A (--store embedded) and server B (--store none) up at once; per repeat and model, one run "
-            "on each, order alternated; each run a fresh relabelling of the sweep trace")}
+            "on each, order alternated, each followed by a wait until kv_offload's queue is empty; each run a "
+            "fresh relabelling of the sweep trace")}
         for model in MODELS:
             on, off_ = _aggregate(runs[model]["on"]), _aggregate(runs[model]["off"])
             out[model] = {"on": on, "off": off_,
@@ -630,6 +632,18 @@ def _server(store: str, **launch):
         yield server
     finally:
         server.stop()
+
+
+def _drain_offloads(server: Server, timeout_s: float = 30.0) -> None:
+    """Wait until kv_offload has no put in flight (the gauge is refreshed as puts are reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        depth = sum(v for (name, model, _), v in scrape_metrics(server).items()
+                    if name == "hstu_kv_offload_queue_depth" and model == OFFLOAD)
+        if depth == 0:
+            return
+        time.sleep(0.1)
+    logger.warning("kv_offload still has offloads in flight after %.0f s", timeout_s)
 
 
 def _free_ports(n: int) -> list[int]:
