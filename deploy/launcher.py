@@ -47,6 +47,9 @@ class LaunchConfig:
     metrics_port: int = 8002
     device: str = "cpu"
     store: str = "embedded"
+    mooncake_master: str = ""  # --store mooncake: the master's HOST:PORT (the launcher starts no store)
+    mooncake_segment_bytes: int = 256 << 20  # per model process; 0 when memory nodes hold the tier
+    mooncake_local_hostname: str = "127.0.0.1"  # the address Mooncake peers reach this host on
     model_config: Path | None = None  # an HSTUConfig JSON; default: the one in the model dir
     pool_pages: int = 4096
     lease_ttl_s: float = 30.0
@@ -62,6 +65,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit"):
             raise ValueError(f"model_control={self.model_control!r}: expected 'none' or 'explicit'")
+        if self.store == "mooncake" and not self.mooncake_master:
+            raise ValueError("store='mooncake' needs mooncake_master (--mooncake-master HOST:PORT)")
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             if not 0 < port < 65536:
@@ -79,6 +84,9 @@ class Server:
             device=config.device,
             model_dir=_model_dir_for(config.model_config),
             store=config.store,
+            store_endpoint=config.mooncake_master if config.store == "mooncake" else "",
+            mooncake_segment_bytes=config.mooncake_segment_bytes,
+            mooncake_local_hostname=config.mooncake_local_hostname,
             pool_pages=config.pool_pages,
             lease_ttl_s=config.lease_ttl_s,
         )
@@ -309,6 +317,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--store", choices=["embedded", "none", "mooncake"], default="embedded")
+    p.add_argument("--mooncake-master", default="", metavar="HOST:PORT",
+                   help="--store mooncake: the running mooncake_master every server shares")
+    p.add_argument("--mooncake-segment-bytes", type=int, default=256 << 20,
+                   help="--store mooncake: host memory each model process gives the tier (0: memory nodes hold it)")
+    p.add_argument("--mooncake-local-hostname", default="127.0.0.1",
+                   help="--store mooncake: the address Mooncake peers reach this host on")
     p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the model dir's)")
     p.add_argument("--pool-pages", type=int, default=4096, help="device page pool size, in pages")
     p.add_argument("--store-dram-bytes", type=int, default=2 << 30)
@@ -321,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     a = p.parse_args(argv)
     cfg = LaunchConfig(model_repository=a.model_repository.resolve(), host=a.host, http_port=a.http_port,
                        grpc_port=a.grpc_port, metrics_port=a.metrics_port, device=a.device, store=a.store,
+                       mooncake_master=a.mooncake_master, mooncake_segment_bytes=a.mooncake_segment_bytes,
+                       mooncake_local_hostname=a.mooncake_local_hostname,
                        model_config=a.model_config, pool_pages=a.pool_pages,
                        store_dram_bytes=a.store_dram_bytes, store_disk_dir=a.store_disk_dir,
                        model_control=a.model_control, ready_timeout_s=a.ready_timeout, run_dir=a.run_dir)
@@ -336,6 +352,8 @@ def print_env(server: Server) -> None:
     print(f"mkdir -p -m 700 {shlex.quote(str(server.run_dir))}")
     if server.settings.store == "embedded":
         print(f"python -m kvlifecycle.store --endpoint {server.settings.store_endpoint} &")
+    elif server.settings.store == "mooncake":
+        print(f"# mooncake_master must be running at {server.settings.store_endpoint}")
     print(shlex.join(server.triton_command()))
 
 

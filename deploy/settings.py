@@ -36,6 +36,11 @@ class ServingSettings:
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
     store_timeout_s: float = 0.5  # store RPCs on the request path give up after this
+    # mooncake only: host memory each model process's client gives the shared tier (0: the
+    # cluster's memory nodes hold every object, so stopping a server loses nothing), and the
+    # address other Mooncake nodes reach this host on.
+    mooncake_segment_bytes: int = 256 << 20
+    mooncake_local_hostname: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -50,6 +55,11 @@ class ServingSettings:
             raise ValueError("HSTU_LEASE_TTL_S and HSTU_STORE_TIMEOUT_S must be > 0")
         if self.store == "embedded" and not self.store_endpoint:
             self.store_endpoint = f"ipc://{self.run_dir / 'store.sock'}"
+        if self.store == "mooncake" and not _is_host_port(self.store_endpoint):
+            raise ValueError(f"HSTU_STORE_ENDPOINT={self.store_endpoint!r}: the mooncake store needs its "
+                             "master's address HOST:PORT (hstu-serve --mooncake-master)")
+        if self.mooncake_segment_bytes < 0:
+            raise ValueError(f"HSTU_MOONCAKE_SEGMENT_BYTES={self.mooncake_segment_bytes}: expected >= 0")
 
     @property
     def control_endpoint(self) -> str:
@@ -74,6 +84,11 @@ class ServingSettings:
 
     def to_env(self) -> dict[str, str]:
         return {_PREFIX + k.upper(): str(v) for k, v in asdict(self).items()}
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _parse(name: str, raw: str, kind: type) -> object:

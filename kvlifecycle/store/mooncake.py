@@ -93,6 +93,7 @@ class _Task:
     op: str
     sel: PageSelection
     namespace: str
+    copier: PageCopier | None = None  # the pool registered when the task was submitted
     future: cf.Future | None = None
     cancelled: bool = False
 
@@ -103,6 +104,11 @@ class MooncakeStoreClient(HostStoreClient):
     Ordering guarantee: the client's tasks run one at a time in submission order (one FIFO
     worker); Mooncake makes a put visible to every client once it returned. Tasks of different
     clients are not ordered.
+
+    Pools: a client copies to and from the pool last given to ``register_pool`` (one per
+    process: each server process registers its own pool, or the owner's pool it offloads). A
+    task keeps the pool that was registered when it was submitted, so re-registering (the
+    owner re-created its pool) never sends a queued task's pages to the other pool.
     """
 
     def __init__(self, master_address: str, page_size: int, pool_handle: dict[str, Any] | None = None,
@@ -254,6 +260,8 @@ class MooncakeStoreClient(HostStoreClient):
     # -- helpers (worker threads) -------------------------------------------------------
 
     def _submit(self, task_id: int, task: _Task) -> int:
+        with self._lock:
+            task.copier = self._copier
         if task.sel.seq_pages.size == 0:
             task.future = _done(Status.SUCCESS)
         else:
@@ -271,14 +279,15 @@ class MooncakeStoreClient(HostStoreClient):
             store = self._connected()
             if store is None:
                 return Status.FAILED
-            if self._copier is None or self._staging is None:
+            if task.copier is None or self._staging is None:
                 logger.error("mooncake: %s before register_pool; nothing copied", task.op)
                 return Status.FAILED
             keys = _object_keys(task.sel, task.namespace, self.page_size)
             for start in range(0, len(keys), self.staging_pages):
                 chunk = slice(start, start + self.staging_pages)
-                status = (self._put_chunk(store, keys[chunk], task.sel.pool_pages[chunk]) if task.op == "put"
-                          else self._get_chunk(store, keys[chunk], task.sel.pool_pages[chunk]))
+                status = (self._put_chunk(store, task.copier, keys[chunk], task.sel.pool_pages[chunk])
+                          if task.op == "put"
+                          else self._get_chunk(store, task.copier, keys[chunk], task.sel.pool_pages[chunk]))
                 if status is not Status.SUCCESS:
                     return status
             self._counters[f"{task.op}_pages"] += len(keys)
@@ -287,10 +296,10 @@ class MooncakeStoreClient(HostStoreClient):
             self._fail(task.op, repr(e), exc_info=True)
             return Status.FAILED
 
-    def _put_chunk(self, store: Any, keys: list[str], pool_pages: np.ndarray) -> Status:
-        assert self._copier is not None and self._staging is not None
+    def _put_chunk(self, store: Any, copier: PageCopier, keys: list[str], pool_pages: np.ndarray) -> Status:
+        assert self._staging is not None
         n = len(keys)
-        self._copier.gather(pool_pages, self._staging, np.arange(n, dtype=np.int64))
+        copier.gather(pool_pages, self._staging, np.arange(n, dtype=np.int64))
         ptrs, sizes = self._staging_ptrs(n)
         codes = store.batch_put_from(keys, ptrs, sizes)
         # Existing objects are identical (content-addressed keys): an "exists" error is fine.
@@ -303,8 +312,8 @@ class MooncakeStoreClient(HostStoreClient):
             return Status.FAILED
         return Status.SUCCESS
 
-    def _get_chunk(self, store: Any, keys: list[str], pool_pages: np.ndarray) -> Status:
-        assert self._copier is not None and self._staging is not None
+    def _get_chunk(self, store: Any, copier: PageCopier, keys: list[str], pool_pages: np.ndarray) -> Status:
+        assert self._staging is not None
         n = len(keys)
         ptrs, sizes = self._staging_ptrs(n)
         got = store.batch_get_into(keys, ptrs, sizes)
@@ -315,7 +324,7 @@ class MooncakeStoreClient(HostStoreClient):
         if any(g != s for g, s in zip(got, sizes)):
             self._counters["get_missing_pages"] += sum(g != s for g, s in zip(got, sizes))
             return Status.NOTFOUND
-        self._copier.scatter(self._staging, np.arange(n, dtype=np.int64), pool_pages)
+        copier.scatter(self._staging, np.arange(n, dtype=np.int64), pool_pages)
         return Status.SUCCESS
 
     def _held_prefix(self, tokens: np.ndarray, namespace: str) -> int:
