@@ -9,6 +9,15 @@ it answers on a gRPC bidirectional stream and on HTTP `/v2/models/<m>/generate` 
 
 `replay(trace, ...)` is the load generator: a closed loop of `concurrency` clients, each with
 its own stream, taking the trace's requests in order.
+
+Routing by user (`route_header="x-user-id"`, `hstu-client --route-header`): every request
+carries its user id in that header, so a proxy with consistent hashing on it (`hstu-cluster`'s
+nginx) sends a user to the server that caches the user's KV. HTTP sets the header per request.
+A gRPC stream's headers are fixed when the stream opens, and a proxy routes the whole stream
+to one server, so one stream must carry one user: `RankingClient` (re)opens its stream with the
+user's header when the user changes, and `replay` gives each worker whole users (balanced by
+request count) and keeps one open stream per user (at most `MAX_USER_STREAMS` per worker), each
+user's requests in trace order, one at a time.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +37,10 @@ import numpy as np
 
 from deploy import trace as trace_mod
 from deploy.schema import ENSEMBLE, RankingRequest
+
+
+ROUTE_HEADER = "x-user-id"
+MAX_USER_STREAMS = 64  # open gRPC streams per replay worker in routing mode (least recently used closed)
 
 
 class RequestFailed(RuntimeError):
@@ -37,18 +51,22 @@ class RankingClient:
     """One connection (one gRPC stream, or HTTP keep-alive) sending one request at a time."""
 
     def __init__(self, url: str, model: str = ENSEMBLE, http: bool = False, timeout_s: float = 60.0,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, route_header: str | None = None):
+        """`route_header`: a header name (e.g. "x-user-id") that carries each request's user id
+        (gRPC: the stream is reopened with it whenever the user changes)."""
         self.url, self.model, self.http, self.timeout_s = url, model, http, timeout_s
         self.headers = headers or {}
+        self.route_header = route_header
         self._responses: queue.Queue = queue.Queue()
         self._next_id = 0
+        self._stream_headers: dict[str, str] | None = None  # of the open gRPC stream
         if not http:
             import tritonclient.grpc as grpcclient
 
             self._grpc = grpcclient
             self._client = grpcclient.InferenceServerClient(url)
-            self._client.start_stream(callback=lambda result, error: self._responses.put((result, error)),
-                                      headers=self.headers)
+            if route_header is None:
+                self._open_stream(self.headers)  # else on the first request, with its user's header
 
     def score(self, request: RankingRequest) -> np.ndarray:
         """Scores [c, num_tasks] for one request; raises RequestFailed on a server error."""
@@ -56,7 +74,8 @@ class RankingClient:
 
     def close(self) -> None:
         if not self.http:
-            self._client.stop_stream()
+            if self._stream_headers is not None:
+                self._client.stop_stream()
             self._client.close()
 
     def __enter__(self) -> "RankingClient":
@@ -67,7 +86,23 @@ class RankingClient:
 
     # ---- helpers ----------------------------------------------------------------------------
 
+    def _request_headers(self, request: RankingRequest) -> dict[str, str]:
+        if self.route_header is None:
+            return self.headers
+        return {**self.headers, self.route_header: str(int(request.user_id))}
+
+    def _open_stream(self, headers: dict[str, str]) -> None:
+        if self._stream_headers is not None:
+            self._client.stop_stream()
+            self._responses = queue.Queue()  # a late response of the old stream must not be read
+        responses = self._responses
+        self._client.start_stream(callback=lambda result, error: responses.put((result, error)), headers=headers)
+        self._stream_headers = headers
+
     def _score_grpc(self, request: RankingRequest) -> np.ndarray:
+        headers = self._request_headers(request)
+        if headers != self._stream_headers:
+            self._open_stream(headers)
         inputs = []
         for name, arr in request.arrays().items():
             t = self._grpc.InferInput(name, list(arr.shape), "INT64")
@@ -91,7 +126,7 @@ class RankingClient:
     def _score_http(self, request: RankingRequest) -> np.ndarray:
         body = json.dumps(request.to_json()).encode()
         req = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/generate", data=body,
-                                     headers={"Content-Type": "application/json", **self.headers})
+                                     headers={"Content-Type": "application/json", **self._request_headers(request)})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 reply = json.loads(r.read())
@@ -117,33 +152,61 @@ class ReplayResult:
 
 
 def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurrency: int = 1,
-           http: bool = False, timeout_s: float = 60.0) -> ReplayResult:
-    """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors."""
+           http: bool = False, timeout_s: float = 60.0, route_header: str | None = None) -> ReplayResult:
+    """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors.
+
+    With `route_header` each worker owns whole users and keeps one stream per user (see the
+    module docstring); without it the workers share the trace in order."""
     result = ReplayResult()
     lock = threading.Lock()
-    next_index = iter(range(len(trace)))
     latencies: dict[int, float] = {}
 
-    def worker() -> None:
+    def send(client: RankingClient, i: int) -> None:
+        start = time.perf_counter()
+        try:
+            scores = client.score(trace[i])
+        except (RequestFailed, TimeoutError) as e:
+            with lock:
+                result.errors[i] = str(e)
+            return
+        with lock:
+            latencies[i] = time.perf_counter() - start
+            result.scores[i] = scores
+
+    next_index = iter(range(len(trace)))
+
+    def shared_worker() -> None:
         with RankingClient(url, model=model, http=http, timeout_s=timeout_s) as client:
             while True:
                 with lock:
                     i = next(next_index, None)
                 if i is None:
                     return
-                start = time.perf_counter()
-                try:
-                    scores = client.score(trace[i])
-                except (RequestFailed, TimeoutError) as e:
-                    with lock:
-                        result.errors[i] = str(e)
-                    continue
-                with lock:
-                    latencies[i] = time.perf_counter() - start
-                    result.scores[i] = scores
+                send(client, i)
 
+    def user_worker(indexes: list[int]) -> None:
+        streams: OrderedDict[int, RankingClient] = OrderedDict()  # user -> its stream, LRU order
+        try:
+            for i in indexes:
+                user = int(trace[i].user_id)
+                client = streams.pop(user, None)
+                if client is None:
+                    client = RankingClient(url, model=model, http=http, timeout_s=timeout_s,
+                                           route_header=route_header)
+                    if len(streams) >= MAX_USER_STREAMS:
+                        streams.popitem(last=False)[1].close()
+                streams[user] = client
+                send(client, i)
+        finally:
+            for client in streams.values():
+                client.close()
+
+    if route_header is None:
+        targets = [(shared_worker, ()) for _ in range(concurrency)]
+    else:
+        targets = [(user_worker, (indexes,)) for indexes in partition_by_user(trace, concurrency)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in targets]
     for t in threads:
         t.start()
     for t in threads:
@@ -151,6 +214,21 @@ def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurr
     result.wall_s = time.perf_counter() - start
     result.latencies_s = [latencies[i] for i in sorted(latencies)]
     return result
+
+
+def partition_by_user(trace: list[RankingRequest], parts: int) -> list[list[int]]:
+    """Trace indexes split into `parts` lists of whole users (greedy by request count, so the
+    parts carry similar load), each list in trace order."""
+    by_user: dict[int, list[int]] = {}
+    for i, r in enumerate(trace):
+        by_user.setdefault(int(r.user_id), []).append(i)
+    loads = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for user in sorted(by_user, key=lambda u: (-len(by_user[u]), u)):
+        k = loads.index(min(loads))
+        out[k] += by_user[user]
+        loads[k] += len(by_user[user])
+    return [sorted(indexes) for indexes in out if indexes]
 
 
 def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path) -> float:
@@ -177,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actions", help="comma-separated action ids, one per item")
     p.add_argument("--candidates", help="comma-separated candidate item ids")
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--route-header", nargs="?", const=ROUTE_HEADER, default=None, metavar="NAME",
+                   help=f"carry the user id in this header (default {ROUTE_HEADER}) for a routing proxy "
+                        "(hstu-cluster); gRPC: one stream per user, each worker owns whole users")
     p.add_argument("--check", action="store_true", help="compare every response with the reference scorer")
     p.add_argument("--model-repository", default="model_repository")
     p.add_argument("--tolerance", type=float, default=1e-4)
@@ -191,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         p.error("give --trace FILE, or --user, --items, --actions and --candidates")
 
-    result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http)
+    result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http,
+                    route_header=a.route_header)
     if len(trace) == 1 and result.scores:
         print(json.dumps({"scores": result.scores[0].tolist()}))
     print(f"{a.model}: {len(result.scores)}/{len(trace)} ok, {len(result.errors)} errors, "
