@@ -7,8 +7,9 @@ VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.setup-stamp"
 
-# Debian packages: libb64 for perf_analyzer, libibverbs for Mooncake (needed even over TCP).
-apt_pkgs=(libb64-0d libibverbs1)
+# Debian packages: libb64 for perf_analyzer, libibverbs for Mooncake (needed even over TCP),
+# nginx-light for hstu-cluster's routing proxy (grpc_pass, consistent hash on x-user-id).
+apt_pkgs=(libb64-0d libibverbs1 nginx-light)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
