@@ -43,6 +43,12 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "store_errors": ("hstu_kv_store_errors_total", "counter", "Failed or timed-out host store calls", {}),
 }
 
+# What each kind of model publishes.
+OWNER_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
+              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
+OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
+                "store_errors"]
+
 
 class KVMetrics:
     """Publishes a subset of `_SERIES` for one model."""

@@ -13,15 +13,13 @@ from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_co
 from deploy.cache_owner import open_kv_cache
 from deploy.settings import ServingSettings
 from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.triton_metrics import KVMetrics
+from deploy.triton_metrics import OWNER_KEYS, KVMetrics
 from kvlifecycle.manager import Offloader
 from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("hstu_monolithic")
 
 OFFLOAD_WAIT_S = 10.0
-_METRIC_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
-                "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
 
 
 class TritonPythonModel:
@@ -33,7 +31,7 @@ class TritonPythonModel:
         manager = self.cache.manager
         self.offloader = (Offloader(self.cache.store, manager.namespace, manager.page_size, manager.offload_done)
                           if self.cache.store is not None else None)
-        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS)
 
     def execute(self, requests):
         responses = [self._one(request) for request in requests]

@@ -12,21 +12,18 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
-from deploy.settings import ServingSettings
-from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.triton_metrics import KVMetrics
-from kvlifecycle import ops
-from kvlifecycle.control import ControlServer
 from deploy import pool_handle
 from deploy.cache_owner import open_kv_cache
+from deploy.settings import ServingSettings
+from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.triton_metrics import OWNER_KEYS, KVMetrics
+from kvlifecycle import ops
+from kvlifecycle.control import ControlServer
 from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("kv_lookup_alloc")
 
 METRICS_INTERVAL_S = 1.0
-
-_METRIC_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
-                "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
 
 
 class TritonPythonModel:
@@ -37,7 +34,7 @@ class TritonPythonModel:
         self.handle = ops.register(self.cache.manager)
         pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
-        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS)
         # Commits and offload completions change the pool between requests: refresh the gauges.
         self.stop_metrics = threading.Event()
         self.metrics_thread = threading.Thread(target=self._refresh_metrics, name="kv-metrics", daemon=True)
@@ -51,6 +48,7 @@ class TritonPythonModel:
         return responses
 
     def _one(self, request):
+        lease_id = None
         try:
             r = read_ranking_request(request, self.config)
             tokens = history_tokens(r.item_ids, r.action_ids, self.config)
@@ -58,15 +56,18 @@ class TritonPythonModel:
             hit = ops.lookup(self.handle, user, tokens)  # [device_tokens, host_tokens]
             meta, page_row = ops.allocate(self.handle, user, tokens, hit, self.config.page_size,
                                           self.settings.lease_ttl_s)  # meta: [lease_id, cached_len, onboard]
+            lease_id = int(meta[0])
             task = ops.onboard_launch(self.handle, meta)
             meta = ops.onboard_wait(self.handle, meta, task, self.settings.store_timeout_s * 4)
-            lease_id, cached_len = int(meta[0]), int(meta[1])  # a failed onboard only shrinks cached_len
+            cached_len = int(meta[1])  # a failed onboard only shrinks cached_len
         except BadRequest as e:
             return error_response(str(e))
         except PoolExhausted as e:
             return error_response(f"KV page pool exhausted, retry later: {e}")
         except Exception as e:  # a bug must fail this request only, not the batch
             logger.error("kv_lookup_alloc failed on a request", exc_info=True)
+            if lease_id is not None:
+                self.cache.manager.abort(lease_id)  # its pages return now, not at lease expiry
             return error_response(f"kv_lookup_alloc: internal error: {e}")
         row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[

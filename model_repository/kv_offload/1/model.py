@@ -15,15 +15,13 @@ from deploy import pool_handle
 from deploy.cache_owner import open_store_client, pool_spec
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
-from deploy.triton_metrics import KVMetrics
+from deploy.triton_metrics import OFFLOAD_KEYS, KVMetrics
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
 
 logger = logging.getLogger("kv_offload")
 
 FLUSH_TIMEOUT_S = 60.0
-_METRIC_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
-                "store_errors"]
 
 
 class TritonPythonModel:
@@ -31,7 +29,7 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_env()
         self.config = HSTUConfig.load(self.settings.model_dir)
         self.control = ControlClient(self.settings.control_endpoint)
-        self.metrics = KVMetrics(args["model_name"], _METRIC_KEYS)
+        self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS)
         spec = pool_spec(self.config, self.settings)
         self.store = open_store_client(self.settings, spec.page_size)
         self.owner_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
