@@ -333,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     p.add_argument("--print-env", action="store_true",
                    help="print the environment and command for a tritonserver started by hand, and exit")
     a = p.parse_args(argv)
+    if a.store == "mooncake" and not a.mooncake_master:
+        p.error("--store mooncake needs --mooncake-master HOST:PORT (a running mooncake_master)")
     cfg = LaunchConfig(model_repository=a.model_repository.resolve(), host=a.host, http_port=a.http_port,
                        grpc_port=a.grpc_port, metrics_port=a.metrics_port, device=a.device, store=a.store,
                        mooncake_master=a.mooncake_master, mooncake_segment_bytes=a.mooncake_segment_bytes,
