@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_INPUT_NAMES", "PagedBatch", "Request"]
+__all__ = ["GRAPH_INPUT_NAMES", "PagedBatch", "Request", "plan_sub_batches"]
 
 # The exported forward's positional arguments, in order.
 GRAPH_INPUT_NAMES = ("kv_pool", "new_tokens", "new_offsets", "cached_lens", "page_table",
@@ -133,6 +133,35 @@ class PagedBatch:
             torch.empty(max_new, dtype=torch.int8, device=device),  # shape carrier [Mn]
             torch.empty(max_cand, dtype=torch.int8, device=device),  # shape carrier [Mc]
         )
+
+
+def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
+                     free_cells: int = 64 * 1024) -> list[list[int]]:
+    """Split a dynamic batch into sub-batches of similar size, as lists of request indices.
+
+    The paged forward pads every user to the batch's longest queries (new tokens + candidates)
+    and widest keys (cached + new tokens), so one long miss batched with short hits makes each
+    hit cost as much as the miss. ``shapes[i]`` is request i's ``(queries, keys)``; requests are
+    taken smallest first and a sub-batch grows while its padded cost ``B * max_q * max_k`` stays
+    within ``slack`` times the sum of its members' own costs (plus ``free_cells``, below which a
+    call's fixed overhead dominates and batching is always worth it).
+    """
+    order = sorted(range(len(shapes)), key=lambda i: shapes[i][0] * shapes[i][1])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    max_q = max_k = own_cost = 0
+    for i in order:
+        q, k = shapes[i]
+        grown_q, grown_k = max(max_q, q), max(max_k, k)
+        padded = (len(current) + 1) * grown_q * grown_k
+        if current and padded > slack * (own_cost + q * k) + free_cells:
+            groups.append(current)
+            current, grown_q, grown_k, own_cost = [], q, k, 0
+        current.append(i)
+        max_q, max_k, own_cost = grown_q, grown_k, own_cost + q * k
+    if current:
+        groups.append(current)
+    return groups
 
 
 # ---------------------------------------------------------------------------------------

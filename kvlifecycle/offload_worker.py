@@ -1,19 +1,18 @@
-"""OffloadWorker: commit -> put -> reap for finished requests, on one background thread.
+"""OffloadWorker: put -> reap for committed pages, on one background thread.
 
 Used by a process that does not own the page table (kv_offload). Call order:
 
-    worker = OffloadWorker(control, store, page_bytes)   # control: ControlClient to the owner
+    worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
-    worker.submit(lease_id, token_ids)     # per finished request, returns at once
+    items = control.commit(lease_id)              # per finished request: pages pinned for offload
+    worker.submit(token_ids, items)               # returns at once
     ...
-    left = worker.stop(flush_timeout_s)    # commit what is queued, wait for every put
+    left = worker.stop(flush_timeout_s)           # put what is queued, wait for every put
 
-For each submitted lease the thread asks the owner to commit it (`control.commit`, which pins
-the new full pages for offload), submits one `put_async` for those pages (`Offloader.launch`),
-and between submissions reaps finished puts (`Offloader.reap`), which reports each put to the
-owner (`control.offload_done`) so the pages are unpinned. Leases are committed in submission
-order. Store trouble never blocks `submit`: a failed put is reported `ok=False` (the pages stay
-cached on the device, only the host copy is missing).
+For each submission the thread submits one `put_async` for the pages (`Offloader.launch`), and
+between submissions reaps finished puts (`Offloader.reap`), which reports each put to the owner
+(`control.offload_done`) so the pages are unpinned. Store trouble never blocks `submit`: a failed
+put is reported `ok=False` (the pages stay cached on the device, only the host copy is missing).
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from typing import Callable
 
 from kvlifecycle.hashing import TokenIds
 from kvlifecycle.manager import Offloader
+from kvlifecycle.page_table import OffloadItem
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +41,19 @@ class OffloadWorker:
         self.reap_interval_s = reap_interval_s
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="offload-worker", daemon=True)
-        self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0, "commit_errors": 0, "commits": 0}
+        self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
         self.offloader = (Offloader(store, namespace, page_size, self._done) if store is not None else None)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, lease_id: int, token_ids: TokenIds) -> None:
-        """Queue a finished request's lease for commit and offload; never blocks."""
-        self._queue.put((lease_id, token_ids))
+    def submit(self, token_ids: TokenIds, items: list[OffloadItem]) -> None:
+        """Queue the committed pages `items` of the request `token_ids` for offload; never blocks."""
+        if items:
+            self._queue.put((token_ids, items))
 
     def stop(self, flush_timeout_s: float) -> int:
-        """Commit every queued lease, wait up to `flush_timeout_s` for every put; returns the
+        """Put every queued page, wait up to `flush_timeout_s` for every put; returns the
         number of puts still pending (0 when everything reached the host store)."""
         self._queue.put(_STOP)
         self._thread.join()
@@ -83,26 +84,16 @@ class OffloadWorker:
             if item is _STOP:
                 return
             if item is not None:
-                self._commit_and_put(*item)
+                self._put(*item)
             if self.offloader is not None:
                 self.offloader.reap()
             self._publish()
 
-    def _commit_and_put(self, lease_id: int, token_ids: TokenIds) -> None:
-        try:
-            items = self.control.commit(lease_id)
-        except Exception:
-            # The owner expires the lease; its pages return, only this request's cache is lost.
-            self._stats["commit_errors"] += 1
-            logger.warning("commit of lease %d failed; its pages return on lease expiry", lease_id, exc_info=True)
-            return
-        self._stats["commits"] += 1
-        if not items:
-            return
+    def _put(self, token_ids: TokenIds, items: list[OffloadItem]) -> None:
         if self.offloader is None:
             self._done([it.page_id for it in items], False)
-            return
-        self.offloader.launch(token_ids, items)
+        else:
+            self.offloader.launch(token_ids, items)
 
     def _done(self, page_ids: list[int], ok: bool) -> None:
         if ok:

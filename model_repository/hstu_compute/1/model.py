@@ -11,7 +11,7 @@ import logging
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute import PagedBatch, load_compiled
+from compute import PagedBatch, load_compiled, plan_sub_batches
 from deploy import faults, pool_handle
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
@@ -37,18 +37,17 @@ class TritonPythonModel:
         parsed = [self._parse(r) for r in requests]
         good = [i for i, p in enumerate(parsed) if not isinstance(p, str)]
         responses = [error_response(p) if isinstance(p, str) else None for p in parsed]
-        try:
-            for i, scores in zip(good, self._score(pool, [parsed[i] for i in good])):
-                responses[i] = self._response(scores, parsed[i][4])
-        except Exception:
-            logger.warning("batch of %d failed; retrying one by one", len(good), exc_info=True)
-            for i in good:
-                try:
-                    responses[i] = self._response(self._score(pool, [parsed[i]])[0], parsed[i][4])
-                except Exception as e:
-                    logger.error("hstu_compute failed on lease %d", parsed[i][4], exc_info=True)
-                    responses[i] = error_response(f"hstu_compute: {e}")
-                    self._abort(parsed[i][4])
+        # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
+        shapes = [(parsed[i][0].numel() + parsed[i][3].numel(), parsed[i][1] + parsed[i][0].numel()) for i in good]
+        for group in plan_sub_batches(shapes):
+            members = [good[j] for j in group]
+            try:
+                for i, scores in zip(members, self._score(pool, [parsed[i] for i in members])):
+                    responses[i] = self._response(scores, parsed[i][4])
+            except Exception:
+                logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
+                for i in members:
+                    responses[i] = self._score_alone(pool, parsed[i])
         return responses
 
     def finalize(self):
@@ -79,6 +78,14 @@ class TritonPythonModel:
             torch.cuda.current_stream().synchronize()  # KV written before kv_offload commits it
         sizes = [int(item[3].numel()) for item in items]
         return list(torch.split(scores, sizes))
+
+    def _score_alone(self, pool: PagePool, item):
+        try:
+            return self._response(self._score(pool, [item])[0], item[4])
+        except Exception as e:
+            logger.error("hstu_compute failed on lease %d", item[4], exc_info=True)
+            self._abort(item[4])  # its pages return now, not at lease expiry
+            return error_response(f"hstu_compute: {e}")
 
     def _response(self, scores: torch.Tensor, lease_id: int):
         return pb_utils.InferenceResponse(output_tensors=[

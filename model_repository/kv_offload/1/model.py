@@ -1,10 +1,11 @@
-"""kv_offload: answer first, then commit and offload off the request's critical path.
+"""kv_offload: commit, answer, then offload off the request's critical path.
 
-Decoupled: for each request it sends the scores with the FINAL flag at once (a client, and a
-perf_analyzer concurrency slot, is held until FINAL), then hands the lease to the background
-`OffloadWorker`, which commits it with the owner (kv_lookup_alloc), puts the new full pages into
-the host store and reaps finished puts. `finalize` (model unload, server stop) flushes: it waits
-for every pending offload before returning.
+Decoupled: for each request it commits the lease with the owner (kv_lookup_alloc; one local
+round trip, so the user's next request, which can only follow this answer, finds the new pages),
+sends the scores with the FINAL flag (a client, and a perf_analyzer concurrency slot, is held
+until FINAL), then hands the committed pages to the background `OffloadWorker`, which puts them
+into the host store and reaps finished puts. `finalize` (model unload, server stop) flushes: it
+waits for every pending offload before returning.
 """
 import logging
 
@@ -41,22 +42,33 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            response, lease_id = error_response("kv_offload: internal error"), None
+            response, items = error_response("kv_offload: internal error"), []
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
                 lease_id = int(input_tensor(request, "done_lease_id").reshape(-1)[0])
                 tokens = history_tokens(input_tensor(request, "item_ids"), input_tensor(request, "action_ids"),
                                         self.config)
+                items = self._commit(lease_id)
                 response = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores[0])])
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 response = error_response(f"kv_offload: {e}")
             finally:
                 sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            if lease_id is not None:
+            if items:
                 self._register_owner_pool()
-                self.worker.submit(lease_id, tokens)
+                self.worker.submit(tokens, items)
         return None
+
+    def _commit(self, lease_id: int) -> list:
+        """The lease's new pages become visible; returns those to offload. A failed commit costs
+        only this request's cache: the owner's lease expiry returns the pages."""
+        try:
+            return self.control.commit(lease_id)
+        except Exception:
+            logger.warning("kv_offload: commit of lease %d failed; its pages return on expiry", lease_id,
+                           exc_info=True)
+            return []
 
     def _register_owner_pool(self):
         """Name kv_lookup_alloc's pool (again when it re-created it) to the store client: the
