@@ -41,10 +41,12 @@ def run(num_servers: int, trace_config: TraceConfig, concurrency: int, base_port
                            mooncake_port=base_port + 2, base_port=base_port + 10, segment_bytes=1 << 30,
                            server=LaunchConfig(ready_timeout_s=600.0))
     with Cluster(config) as cluster:
+        load_before = os.getloadavg()[0]
         result = replay(trace, cluster.grpc_url, model=ENSEMBLE, concurrency=concurrency,
                         route_header=ROUTE_HEADER, timeout_s=300.0)
         time.sleep(2.0)  # Triton pulls the models' counters on an interval
         per_server = [lookup_outcomes(s.metrics_url) for s in cluster.servers]
+        load_after = os.getloadavg()[0]
     return {
         "servers": num_servers,
         "requests": len(trace),
@@ -56,6 +58,7 @@ def run(num_servers: int, trace_config: TraceConfig, concurrency: int, base_port
         "wall_s": round(result.wall_s, 2),
         "max_abs_diff_vs_reference": check_scores(trace, result, DEFAULT_MODEL_REPOSITORY),
         "lookups_per_server": per_server,
+        "load_average_1m_before_after": [round(load_before, 2), round(load_after, 2)],
     }
 
 
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 "the same trace with 1 and with 2 tritonservers on one machine",
         "date": time.strftime("%Y-%m-%d"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "caveat": f"all servers share this machine's {os.cpu_count()} cores, so 2 servers cannot double "
+        "caveat": "other test suites ran on this machine at the same time (see load_average_1m_before_after); "
+                  f"all servers share this machine's {os.cpu_count()} cores, so 2 servers cannot double "
                   "throughput here; this measures the routing and shared-tier path, not multi-host scaling",
         "trace": asdict(trace_config),
         "concurrency": a.concurrency,
