@@ -66,13 +66,13 @@ def build(model_dir: str | os.PathLike = DEFAULT_MODEL_DIR, device: str = "cpu",
         return target
 
     started = time.perf_counter()
-    model = load_model(folder, device)
+    model = load_model(folder, device).requires_grad_(False)  # inference only: no autograd anywhere
     args = _sample_inputs(model.config, device)
     with torch.no_grad():
         exported = torch.export.export(model, args, dynamic_shapes=_dynamic_shapes())
     logger.info("exported the paged forward in %.1f s", time.perf_counter() - started)
 
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch, _compiler_env():
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch, _compiler_env(), torch.no_grad():
         scratch_package = Path(scratch) / target.name
         torch._inductor.aoti_compile_and_package(
             exported, package_path=str(scratch_package), inductor_configs=_inductor_configs())
