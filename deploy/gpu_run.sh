@@ -12,7 +12,9 @@ TOL="${2:-5e-2}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # AOTI packages built with the image's default compiler segfault on load (DESIGN.md).
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-eval "$(deploy/setup_offline.sh .bundle /tmp/hstu-site)"
+# Into the host Python itself: the Python-backend stub finds packages through the `python3` on
+# PATH, not through PYTHONPATH (DESIGN.md).
+eval "$(deploy/setup_offline.sh .bundle)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu-host.txt"
 python3 -c "import torch, numpy, zmq, tritonclient.grpc; print('torch', torch.__version__, 'numpy', numpy.__version__)" \
   | tee -a "$OUT/gpu-host.txt"
