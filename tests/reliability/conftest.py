@@ -2,27 +2,37 @@
 
 - `fault_server` (package scope): a second tritonserver + host store for the tests that need a
   config of their own: a small page pool (384 pages of 32 tokens, far smaller than the soak's
-  working set; 3 max-length histories fill it), the store's disk tier, and test fault injection
-  (`HSTU_FAULTS`, `deploy/faults.py`): hstu_compute raises on candidate `FAULT_CANDIDATE`.
-  Tests that use it may kill and restart its store or the whole server; each leaves it serving.
+  working set; 3 max-length histories fill it), a 512 MB store DRAM tier plus a disk tier, and
+  test fault injection (`HSTU_FAULTS`, `deploy/faults.py`): hstu_compute raises on candidate
+  `FAULT_CANDIDATE`. It boots in the background from the first reliability test on, while the
+  tests on the session `server` run. Tests that use it may kill and restart its store or the
+  whole server; each leaves it serving.
 - `owner_stats(server)`: kv_lookup_alloc's page table counters, read over its control socket
   (exact and immediate; the metrics port lags by up to a second).
 - `wait_drained(server)`: waits until no page is leased or pinned (every lease committed or
   returned, every offload reaped) and returns the owner's stats.
 - `kv_metrics(server)`: the KV series of the metrics port that bad input must not change.
+- `fire_together(url, requests)`: one stream per request, all released at once (batching, races).
+- `Load(url, requests, concurrency)`: background closed-loop load with progress, for faults mid-load.
 """
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from deploy.launcher import Server
+from compute import HSTUConfig
+from deploy.client import RankingClient
+from deploy.launcher import Server, build_model
 from deploy.schema import RankingRequest
 from kvlifecycle.control import ControlClient
+from kvlifecycle.store import open_store
 from tests.conftest import launch_config
 from tests.integration.test_ensemble import metric
 
@@ -32,16 +42,83 @@ TOLERANCE = 1e-4
 LOOKUP = "kv_lookup_alloc"
 
 
+def fault_launch_config(root: Path):
+    return launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk", store_dram_bytes=512 << 20,
+                         extra_env={"HSTU_FAULTS": json.dumps({"compute_raise_on_candidate": FAULT_CANDIDATE})})
+
+
+class _EarlyStart:
+    """`fault_server` boots in the background from the first reliability test on, while the tests
+    on the session `server` run (a startup is 20-40 s of this suite's budget).
+
+    The booting thread lives as long as the server: the launcher's children die with the thread
+    that started them (PR_SET_PDEATHSIG follows the parent thread), so it waits for `stop()`."""
+
+    server: Server | None = None
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    ready = threading.Event()
+    release = threading.Event()
+    wanted = False
+
+    @classmethod
+    def begin(cls) -> None:
+        if cls.server is not None or not cls.wanted:
+            return
+        cls.server = Server(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
+        # Build (or check) the model here, so two servers starting at once never build it together.
+        build_model(cls.server.settings.model_dir, cls.server.config.device, cls.server.config.model_config)
+        cls.thread = threading.Thread(target=cls._run, name="fault-server", daemon=True)
+        cls.thread.start()
+
+    @classmethod
+    def wait_ready(cls) -> Server:
+        cls.ready.wait()
+        if cls.error is not None:
+            raise cls.error
+        return cls.server
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.server is None:
+            return
+        cls.release.set()
+        cls.thread.join()
+        cls.server.stop()  # idempotent; also stops what a test restarted from the main thread
+        # The soak leaves ~1 GB in the disk tier; the logs (run dir) stay for a post-mortem.
+        shutil.rmtree(cls.server.config.store_disk_dir, ignore_errors=True)
+        cls.server = None
+
+    @classmethod
+    def _run(cls) -> None:
+        try:
+            cls.server.start()
+        except BaseException as e:  # noqa: BLE001 - raised by wait_ready
+            cls.error = e
+        cls.ready.set()
+        cls.release.wait()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    _EarlyStart.wanted = any("fault_server" in getattr(item, "fixturenames", ()) for item in items)
+
+
+def pytest_runtest_setup(item) -> None:  # only for tests under tests/reliability
+    _EarlyStart.begin()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _EarlyStart.stop()  # when the fixture never ran (deselected, or the session was aborted)
+
+
 @pytest.fixture(scope="package")
-def fault_server(tmp_path_factory) -> Server:
-    root = tmp_path_factory.mktemp("fault_server")
-    srv = Server(launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
-                               extra_env={"HSTU_FAULTS": json.dumps({"compute_raise_on_candidate": FAULT_CANDIDATE})}))
+def fault_server() -> Server:
+    _EarlyStart.wanted = True
+    _EarlyStart.begin()
     try:
-        srv.start()
-        yield srv
+        yield _EarlyStart.wait_ready()
     finally:
-        srv.stop()
+        _EarlyStart.stop()
 
 
 def owner_stats(server: Server) -> dict[str, int]:
@@ -50,12 +127,12 @@ def owner_stats(server: Server) -> dict[str, int]:
 
 
 def wait_drained(server: Server, timeout_s: float = 90.0) -> dict[str, int]:
-    """Owner stats once nothing is leased or pinned; AssertionError (with the stats) on timeout.
+    """Owner stats once nothing is leased, pinned or quarantined; AssertionError (with the stats) on timeout.
     Leases left by a cancelled request return on expiry (lease_ttl_s, 30 s by default)."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = owner_stats(server)
-        if stats["pages_leased"] == 0 and stats["pages_pinned"] == 0 and stats["leases_active"] == 0:
+        if (stats["pages_leased"], stats["pages_pinned"], stats["leases_active"], stats["pages_quarantined"]) == (0, 0, 0, 0):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(f"pool not back at baseline after {timeout_s:.0f}s: leased "
@@ -100,9 +177,99 @@ def history(user_id: int, events: int, candidates: int = 16, seed: int = 0) -> R
         rng.integers(1, 100_000, candidates).tolist()))
 
 
-def evict_from_device(client, first_user: int, pages: int = 2 * FAULT_POOL_PAGES) -> None:
+def evict_from_device(client, first_user: int, pages: int = FAULT_POOL_PAGES + 128) -> None:
     """Push every committed page out of `fault_server`'s device pool by serving `pages` pages of
     fresh users' histories (max-length histories, 128 pages each), one at a time."""
     for i in range(max(1, pages // 128)):
         client.score(history(first_user + i, 2048, candidates=1))
 
+
+
+def fire_together(url: str, requests: list[RankingRequest], timeout_s: float = 120.0) -> list:
+    """Send each request on its own stream, all released at once; returns per request its scores
+    or the exception (RequestFailed, TimeoutError: a hang) it raised."""
+    clients = [RankingClient(url, timeout_s=timeout_s) for _ in requests]
+    barrier = threading.Barrier(len(requests))
+    out: list = [None] * len(requests)
+
+    def one(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = clients[i].score(requests[i])
+        except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 30)
+        assert not any(t.is_alive() for t in threads), "a client thread hung"
+    finally:
+        for c in clients:
+            c.close()
+    return out
+
+
+class Load:
+    """Closed-loop clients in the background serving `requests` in order; `done` counts
+    answered requests; `results` maps request index -> scores or the exception raised."""
+
+    def __init__(self, url: str, requests: list[RankingRequest], concurrency: int, timeout_s: float = 120.0):
+        self.requests = requests
+        self.results: dict[int, object] = {}
+        self._next = iter(range(len(requests)))
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._worker, args=(url, timeout_s), daemon=True)
+                         for _ in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def done(self) -> int:
+        with self._lock:
+            return len(self.results)
+
+    def wait_done(self, n: int, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.done < n:
+            assert time.monotonic() < deadline, f"load made no progress: {self.done} of {n} answered"
+            time.sleep(0.05)
+
+    def join(self, timeout_s: float = 600.0) -> dict[int, object]:
+        for t in self._threads:
+            t.join(timeout_s)
+        assert not any(t.is_alive() for t in self._threads), "a load client hung"
+        return self.results
+
+    def _worker(self, url: str, timeout_s: float) -> None:
+        with RankingClient(url, timeout_s=timeout_s) as client:
+            while True:
+                with self._lock:
+                    i = next(self._next, None)
+                if i is None:
+                    return
+                try:
+                    outcome: object = client.score(self.requests[i])
+                except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
+                    outcome = e
+                with self._lock:
+                    self.results[i] = outcome
+
+
+def register_pool(server: Server, timeout_s: float = 120.0) -> None:
+    """Attach the ensemble's pool in a freshly started store now (as kv_lookup_alloc's client does
+    on its next NO_POOL), waiting as long as the store takes to set up its tiers."""
+    handle = json.loads(server.settings.pool_handle_path.read_text())
+    page_size = HSTUConfig.load(server.settings.model_dir).page_size
+    store = open_store("embedded", endpoint=server.settings.store_endpoint, page_size=page_size,
+                       rpc_timeout_s=timeout_s)
+    try:
+        assert store.register_pool(handle), f"the store at {server.settings.store_endpoint} refused the pool"
+    finally:
+        store.close()
+
+
+def store_errors(server: Server) -> float:
+    return metric(server, "hstu_kv_store_errors_total")

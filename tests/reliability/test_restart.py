@@ -1,0 +1,42 @@
+"""Restart (DESIGN.md invariant 5): a clean stop and start of the whole server with the store's disk
+tier loses no user's KV: after the restart the users' histories are host hits (onboarded from
+the disk tier into the new, empty device pool) and their scores stay correct."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deploy.client import RankingClient
+from deploy.launcher import Server
+from deploy.schema import RankingRequest
+from tests.integration.test_ensemble import metric
+from tests.reliability.conftest import LOOKUP, check_scores, history, owner_stats, wait_drained
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def test_stop_and_start_with_the_disk_tier_brings_users_back_as_host_hits(fault_server: Server,
+                                                                          reference) -> None:
+    users = [history(7000 + i, 200 + 50 * i, seed=5) for i in range(4)]
+    with RankingClient(fault_server.grpc_url) as client:
+        for r in users:
+            check_scores(reference, r, client.score(r))
+    wait_drained(fault_server)  # every put reaped; the stop below flushes the disk write-behind queue
+
+    fault_server.stop()
+    assert fault_server.store is None and fault_server.triton is None
+    fault_server.start()
+
+    assert owner_stats(fault_server)["pages_in_use"] == 0, "a restarted server starts with an empty device pool"
+    full_pages = sum(len(r.item_ids) * 2 // 32 for r in users)
+    with RankingClient(fault_server.grpc_url) as client:
+        for r in users:
+            grown = RankingRequest(r.user_id, r.item_ids + [5], r.action_ids + [3], r.candidate_ids)
+            check_scores(reference, grown, client.score(grown), what="after the restart,")
+    time.sleep(1.5)
+    host_hits = metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit")
+    onboarded = metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP)
+    assert host_hits == len(users), f"expected {len(users)} host hits after the restart, got {host_hits}"
+    assert onboarded == full_pages, f"expected every full page ({full_pages}) onboarded, got {onboarded}"
+    wait_drained(fault_server)
