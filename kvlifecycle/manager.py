@@ -257,8 +257,12 @@ class KVCacheManager:
     def _host_match(self, tokens: np.ndarray) -> tuple[int, bool]:
         """Whole pages from position 0 the host store holds, and whether the store failed."""
         try:
-            _task, mask = self.store.get_match(tokens, self.namespace)
+            task, mask = self.store.get_match(tokens, self.namespace)
             mask = np.asarray(mask, dtype=bool)
+            # The onboard submits its own get (after allocation fixes the pages); release the match's
+            # prepared task, which the client otherwise keeps with the request's token ids.
+            self.store.cancel([task])
+            self.store.try_wait([task])
         except Exception:
             logger.warning("host store get_match failed; treating as a miss", exc_info=True)
             self.table.count("store_errors")

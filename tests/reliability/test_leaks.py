@@ -5,7 +5,6 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
-import pytest
 
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
@@ -15,12 +14,6 @@ LOOKUPS = 2000
 TOKENS = 4096  # 32 KiB of int64 per request
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "leak: KVCacheManager._host_match (kvlifecycle/manager.py) calls store.get_match() and drops the "
-    "returned task id, never launch()ing or cancel()ing it, while EmbeddedStoreClient.get_match "
-    "(kvlifecycle/store/embedded.py, `self._prepared[task_id] = _Prepared(tokens[:...])`) keeps every "
-    "such task, holding a view of the request's whole token array: kv_lookup_alloc retains one history "
-    "per lookup that reaches the store (+67 MiB RSS over 49k requests in the soak)"))
 def test_store_lookups_retain_no_memory() -> None:
     spec = PoolSpec(num_layers=1, num_pages=16, page_size=32, num_heads=1, head_dim=8)
     pool = PagePool.create(spec)
