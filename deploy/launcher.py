@@ -263,7 +263,10 @@ def _model_dir_for(model_config: Path | None) -> Path:
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this child when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    """Ask the kernel to SIGTERM this child when the launcher dies (Linux prctl PR_SET_PDEATHSIG).
+
+    The signal fires when the *thread* that started the child exits: start a `Server` from a
+    thread that lives as long as the server (the main thread, in hstu-serve)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except OSError:
