@@ -13,9 +13,9 @@ Operations:
   (deterministic, so two processes racing to do it write the same bytes).
 - ``load_model(model_dir, device)``: config + weights -> ``HSTUModel`` in eval mode, in the
   config's dtype.
-- ``fingerprint(model_dir)``: sha256 hex over the config's canonical JSON and every weight's
-  name, dtype, shape and bytes, in name order. It is the KV namespace (DESIGN.md invariant 2):
-  new weights or a new config never read old pages.
+- ``fingerprint(model_dir)``: sha256 hex over the config's canonical JSON, the model's source
+  (``compute/model.py``) and every weight's name, dtype, shape and bytes, in name order. It is
+  the KV namespace (DESIGN.md invariant 2): new weights, config or maths never read old pages.
 
 ``load_model`` and ``fingerprint`` call ``ensure_checkpoint`` first (ARCHITECTURE.md: the seeded
 initialisation stands in when no checkpoint is given), so every process sees the same weights.
