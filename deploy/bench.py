@@ -245,7 +245,7 @@ class Bench:
 
     def cache(self) -> dict[str, Any]:
         """Device hit vs host hit vs miss at concurrency 1, per history length and model."""
-        cfg, vocab = self.model, self.model["item_vocab"]
+        cfg = self.model
         rows = []
         clients = {m: RankingClient(self.server.grpc_url, model=m, timeout_s=120) for m in MODELS}
         try:

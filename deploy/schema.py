@@ -33,10 +33,6 @@ class TensorSpec:
     dims: tuple[int, ...]  # -1 = variable; excludes the batch dim of batched models
     ragged: bool = False  # allow_ragged_batch in a batched model
 
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return np.dtype({"INT64": np.int64, "FP32": np.float32}[self.dtype])
-
 
 def scores_spec(num_tasks: int) -> TensorSpec:
     return TensorSpec("scores", "FP32", (-1, num_tasks))

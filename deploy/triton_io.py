@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
@@ -58,7 +57,3 @@ def read_ranking_request(request, config) -> RankingInputs:
     if problem:
         raise BadRequest(problem)
     return RankingInputs(int(user.item()), items, actions, candidates)
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()

@@ -8,7 +8,6 @@ forward first (so the pool holds its K/V), then the new suffix with its candidat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch

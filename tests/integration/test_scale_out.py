@@ -10,7 +10,6 @@ One scenario, in the order a deployment lives it:
 """
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections import defaultdict

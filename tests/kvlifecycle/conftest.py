@@ -24,6 +24,7 @@ import pytest
 from kvlifecycle.control import ControlServer, default_endpoint
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
+from kvlifecycle.store.embedded import default_endpoint as store_endpoint
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -73,3 +74,13 @@ def pool(tiny_spec: PoolSpec) -> Iterator[PagePool]:
     p = PagePool.create(tiny_spec)
     yield p
     p.close()
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """A fresh ipc endpoint for a store server; its socket and 0700 directory are removed after."""
+    ep = store_endpoint()
+    yield ep
+    sock = Path(ep.removeprefix("ipc://"))
+    sock.unlink(missing_ok=True)
+    sock.parent.rmdir()

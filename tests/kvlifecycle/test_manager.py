@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from kvlifecycle.hashing import page_keys
 from kvlifecycle.manager import KVCacheManager, LeaseGone, Offloader
 from kvlifecycle.page_table import PoolExhausted
 

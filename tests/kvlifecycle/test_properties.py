@@ -7,8 +7,6 @@ still hold what it wrote (no page owned twice). At the end, aborting and reaping
 returns the pool to baseline."""
 
 import hypothesis.strategies as st
-import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store import Status, open_store
-from kvlifecycle.store.embedded import EmbeddedStoreClient, default_endpoint, start_store_process
+from kvlifecycle.store.embedded import EmbeddedStoreClient, start_store_process
 from kvlifecycle.store.protocol import pool_id
 
 from .test_store_harness import NS, SPEC, fill_random, slots, tokens
@@ -23,15 +22,6 @@ from .test_store_harness import NS, SPEC, fill_random, slots, tokens
 SENTINEL = 7.0  # pool B's initial content: any write a test did not expect shows up
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="no CUDA device"))]
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    ep = default_endpoint()
-    yield ep
-    sock = Path(ep.removeprefix("ipc://"))
-    sock.unlink(missing_ok=True)
-    sock.parent.rmdir()
 
 
 @pytest.fixture

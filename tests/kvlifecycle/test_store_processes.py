@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import zmq
 from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.api import select_pages
-from kvlifecycle.store.embedded import default_endpoint, start_store_process
+from kvlifecycle.store.embedded import start_store_process
 from kvlifecycle.store.protocol import RpcStatus, decode
 
 from .test_store_harness import NS, SPEC, fill_random, slots, tokens
@@ -48,15 +47,6 @@ pool.tensor[:, pages] = torch.randn((pool.tensor.shape[0], len(pages), *pool.ten
 def _python(code: str, *args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=REPO_ROOT, text=True, **kw)
-
-
-@pytest.fixture
-def endpoint() -> Iterator[str]:
-    ep = default_endpoint()
-    yield ep
-    sock = Path(ep.removeprefix("ipc://"))
-    sock.unlink(missing_ok=True)
-    sock.parent.rmdir()
 
 
 def test_offload_and_onboard_across_three_processes(endpoint):

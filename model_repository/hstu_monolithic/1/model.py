@@ -7,6 +7,7 @@ code as the ensemble, with its own page pool (the same size) so the two never sh
 """
 import logging
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_compiled
@@ -53,7 +54,6 @@ class TritonPythonModel:
                                                list(alloc.page_row), r.candidate_ids)])
             scores = self.run(self.cache.pool.tensor, batch)  # [c, num_tasks]
             if self.settings.device == "cuda":
-                import torch
                 torch.cuda.current_stream().synchronize()
             items = manager.commit(lease_id)
             lease_id = None
