@@ -6,6 +6,8 @@ Operations:
   with ``torch.export`` (dynamic users, tokens, pages, candidates) and compiles it with
   ``torch._inductor.aoti_compile_and_package`` into ``hstu_<device>.pt2``, then writes the key
   ``build_key_<device>.json``. Returns the package path.
+- ``check_no_input_mutation(exported)``: refuses a graph that writes its inputs (called by
+  ``build``; see its docstring for the whole-pool copy it prevents).
 - ``build_key(model_dir, device)``: what the package depends on: config, weights fingerprint,
   the model's source, torch version, device.
 - ``main()``: the ``hstu-build`` console script.
@@ -45,10 +47,10 @@ from compute.config import HSTUConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODEL_DIR", "build", "build_key", "main", "package_path", "read_build_key"]
+__all__ = ["DEFAULT_MODEL_DIR", "build", "build_key", "check_no_input_mutation", "main", "package_path", "read_build_key"]
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "hstu_compute" / "1"
-GPU_HOST_CXX = "/usr/bin/g++"  # DESIGN.md: the GPU image's default compiler builds packages that segfault
+GPU_HOST_CXX = "/usr/bin/g++"  # the GPU image's default compiler builds packages that segfault on load
 GPU_HOST_CC = "/usr/bin/gcc"
 
 
@@ -70,6 +72,7 @@ def build(model_dir: str | os.PathLike = DEFAULT_MODEL_DIR, device: str = "cpu",
     args = _sample_inputs(model.config, device)
     with torch.no_grad():
         exported = torch.export.export(model, args, dynamic_shapes=_dynamic_shapes())
+    check_no_input_mutation(exported)
     logger.info("exported the paged forward in %.1f s", time.perf_counter() - started)
 
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch, _compiler_env(), torch.no_grad():
@@ -80,6 +83,23 @@ def build(model_dir: str | os.PathLike = DEFAULT_MODEL_DIR, device: str = "cpu",
     _write_json(folder / _key_filename(device), key)
     logger.info("built %s in %.1f s", target, time.perf_counter() - started)
     return target
+
+
+def check_no_input_mutation(exported: torch.export.ExportedProgram) -> None:
+    """Raise ``RuntimeError`` when the exported graph writes one of its inputs.
+
+    Inductor turns an in-place write on a graph input into a copy of that whole input (seen on
+    CUDA with torch 2.11: an out-of-place ``index_copy`` of the KV pool, then a copy back, 1.3 ms
+    per GiB of pool per call; the CPU package happened not to copy). The paged forward must only
+    read the pool and return what to write. This check runs on the export, so it holds on any
+    machine, with or without a GPU. Export keeps in-place ops as they are written; the
+    functional form that Inductor compiles (``run_decompositions``) names each written input."""
+    signature = exported.run_decompositions({}).graph_signature
+    mutated = sorted(set(signature.user_inputs_to_mutate.values()) | set(signature.buffers_to_mutate.values()))
+    if mutated:
+        raise RuntimeError(f"the exported forward writes its inputs {mutated}; the compiled package would copy "
+                           "each of them whole on every call. Return the new values instead and write them "
+                           "outside the graph (compute.model.write_new_kv)")
 
 
 def build_key(model_dir: str | os.PathLike, device: str) -> dict:

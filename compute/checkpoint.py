@@ -15,7 +15,7 @@ Operations:
   config's dtype.
 - ``fingerprint(model_dir)``: sha256 hex over the config's canonical JSON, the model's source
   (``compute/model.py``) and every weight's name, dtype, shape and bytes, in name order. It is
-  the KV namespace (DESIGN.md invariant 2): new weights, config or maths never read old pages.
+  the KV namespace (invariant 2 of docs/ARCHITECTURE.md): new weights, config or maths never read old pages.
 
 ``load_model`` and ``fingerprint`` call ``ensure_checkpoint`` first (ARCHITECTURE.md: the seeded
 initialisation stands in when no checkpoint is given), so every process sees the same weights.

@@ -4,10 +4,14 @@ shaped like NVIDIA recsys-examples' inference ranking model.
 Two forwards over the same weights:
 - ``HSTUModel.forward(kv_pool, ...)``: the paged forward that is exported and served. For a
   jagged batch of users it reads each user's cached prefix K/V from the page pool, computes the
-  new history tokens, writes their K/V for every layer into the pool in place, and scores the
-  candidates. ``compute.batch.PagedBatch.graph_inputs`` builds its arguments.
+  new history tokens and scores the candidates. It never writes the pool: it returns the new
+  tokens' K/V of every layer with the pool rows they belong in, and the runner
+  (``compute.runtime``) writes them with one indexed copy. Inductor compiles a write into a graph
+  input as a copy of the whole input (on CUDA: an out-of-place copy of the pool, then a copy
+  back), which would make every call cost the pool's size instead of its own tokens.
+  ``compute.batch.PagedBatch.graph_inputs`` builds its arguments.
 - ``HSTUModel.reference_scores(tokens, candidates)``: a stateless forward over one user's whole
-  sequence, no pages. It is the oracle the paged forward must match (DESIGN.md invariant 1).
+  sequence, no pages. It is the oracle the paged forward must match (ARCHITECTURE.md, invariant 1).
 
 One HSTU layer, for the sequence ``X`` (``N`` is a constant, never the actual length)::
 
@@ -44,7 +48,7 @@ from compute.config import HSTUConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HSTULayer", "HSTUModel", "TaskHead", "position_buckets"]
+__all__ = ["HSTULayer", "HSTUModel", "TaskHead", "position_buckets", "write_new_kv"]
 
 EXACT_DISTANCES = 16  # relative distances below this get a bucket each
 NUM_BUCKETS = 32  # the rest are log-spaced up to the longest distance
@@ -74,7 +78,7 @@ class HSTUModel(nn.Module):
 
     def forward(
         self,
-        kv_pool: torch.Tensor,  # [L, P, 2, S, H, D], written in place
+        kv_pool: torch.Tensor,  # [L, P, 2, S, H, D], read only
         new_tokens: torch.Tensor,  # int64 [T], the users' new history tokens, concatenated
         new_offsets: torch.Tensor,  # int64 [B+1], user b's new tokens are [new_offsets[b], new_offsets[b+1])
         cached_lens: torch.Tensor,  # int64 [B], tokens already in the pool (multiple of S)
@@ -83,12 +87,17 @@ class HSTUModel(nn.Module):
         cand_offsets: torch.Tensor,  # int64 [B+1]
         new_len_shape: torch.Tensor,  # [Mn]: only its shape is read, Mn = max new tokens of a user
         cand_len_shape: torch.Tensor,  # [Mc]: only its shape is read, Mc = max candidates of a user
-    ) -> torch.Tensor:
-        """Paged forward: float32 scores [C, num_tasks] in the order of ``candidates``.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Paged forward: ``(scores, kv_rows, kv_values)``.
+
+        - ``scores`` float32 [C, num_tasks] in the order of ``candidates``;
+        - ``kv_values`` [2 * L * T, H, D] in the pool's dtype: K and V of every new token for
+          every layer, to be written at ``kv_rows`` int64 [2 * L * T] of the pool flattened to
+          [L * P * 2 * S, H, D] (``write_new_kv``).
 
         Promises: reads pool positions ``[0, cached_lens[b])`` of user ``b`` and never any other
-        user's new pages; writes K/V of positions ``[cached_lens[b], cached_lens[b] + new_len_b)``
-        for every layer and nothing else. The maxima ``Mn`` and ``Mc`` arrive as shapes, so the
+        user's new pages; the rows returned are those of positions
+        ``[cached_lens[b], cached_lens[b] + new_len_b)`` of every layer and nothing else. The maxima ``Mn`` and ``Mc`` arrive as shapes, so the
         graph has no data-dependent shapes (no ``.item()``)."""
         num_layers, num_pages, _, page_size, num_heads, head_dim = kv_pool.shape
         num_users = cached_lens.shape[0]
@@ -140,8 +149,7 @@ class HSTUModel(nn.Module):
         for layer_index, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)  # u [B, Q, H*D]; v, q, k [B, Q, H, D]
 
-            # Every key of the row: cached ones read from the pool (before anything is written,
-            # so the single write at the end can happen in place), new ones from k and v.
+            # Every key of the row: cached ones read from the pool, new ones from k and v.
             zero_row = torch.zeros_like(k[:, :1])  # [B, 1, H, D]
             k_new = torch.cat([k[:, :max_new], zero_row], dim=1)[batch_index, new_column]  # [B, K, H, D]
             v_new = torch.cat([v[:, :max_new], zero_row], dim=1)[batch_index, new_column]  # [B, K, H, D]
@@ -168,12 +176,10 @@ class HSTUModel(nn.Module):
             attended = torch.cat([attended[:, :max_new], attended[:, max_new:] + self_attended], dim=1)
             x = layer.finish(attended, u, x)  # [B, Q, hidden]
 
-        # The only write: new tokens' K/V of every layer, last, so it is done in place on the pool.
-        flat_pool.index_copy_(0, torch.cat(write_rows), torch.cat(written).to(kv_pool.dtype))  # [2 * L * T, H, D]
-
         cand_user = torch.searchsorted(cand_offsets, torch.arange(num_cand, device=device), right=True) - 1  # [C]
         cand_local = torch.arange(num_cand, device=device) - cand_offsets[cand_user]  # [C]
-        return self.score_embeddings(x[cand_user, max_new + cand_local])  # [C, num_tasks]
+        scores = self.score_embeddings(x[cand_user, max_new + cand_local])  # [C, num_tasks]
+        return scores, torch.cat(write_rows), torch.cat(written).to(kv_pool.dtype)  # [C, tasks], [2LT], [2LT, H, D]
 
     def reference_scores(self, tokens: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """Stateless forward over one user's whole sequence: float32 scores [c, num_tasks].
@@ -263,6 +269,14 @@ def position_buckets(max_distance: int) -> torch.Tensor:
             scaled = math.log(d / EXACT_DISTANCES) / log_span * (NUM_BUCKETS - EXACT_DISTANCES)
             buckets.append(min(EXACT_DISTANCES + int(scaled), NUM_BUCKETS - 1))
     return torch.tensor(buckets, dtype=torch.int64)
+
+
+def write_new_kv(kv_pool: torch.Tensor, kv_rows: torch.Tensor, kv_values: torch.Tensor) -> None:
+    """Write the forward's new K/V into ``kv_pool`` in place: one indexed copy of
+    ``2 * L * T`` rows, nothing else of the pool touched. Runs eagerly, outside the compiled
+    graph (see the module docstring for why)."""
+    num_heads, head_dim = kv_pool.shape[-2:]
+    kv_pool.view(-1, num_heads, head_dim).index_copy_(0, kv_rows, kv_values)  # [L * P * 2 * S, H, D]
 
 
 # ---------------------------------------------------------------------------------------

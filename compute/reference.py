@@ -1,4 +1,4 @@
-"""The reference scorer: the project's oracle for DESIGN.md invariant 1 (cached == uncached).
+"""The reference scorer: the project's oracle for invariant 1 of docs/ARCHITECTURE.md (cached == uncached).
 
 ``load_reference(repo_dir)`` loads the weights the server serves (``<repo_dir>/hstu_compute/1``,
 or ``repo_dir`` itself when it holds ``hstu_config.json``) and returns a ``ReferenceScorer``,

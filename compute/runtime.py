@@ -2,14 +2,16 @@
 eager ``nn.Module``. Both promise the same thing (docs/ARCHITECTURE.md):
 
 - ``kv_pool`` [L, P, 2, S, H, D] in the config's dtype on the runner's device, written in place:
-  K/V of every new token for every layer;
+  K/V of every new token for every layer, and nothing else. The compiled graph only reads the
+  pool; the runner writes the rows the graph returns with one indexed copy
+  (``compute.model.write_new_kv``), so a call costs its own tokens, never the pool's size;
 - ``batch`` a ``PagedBatch``; it is checked against the pool and the token space first and a
   ``ValueError`` says what does not fit (nothing is written then);
 - returns float32 [C, num_tasks] on the pool's device, in the order of ``batch.candidates``.
 
 ``load_compiled`` refuses a package whose build key does not match the folder's current config,
 weights, model source, torch version and device: serving stale weights under a new KV namespace
-would break DESIGN.md invariant 2.
+would break invariant 2 of docs/ARCHITECTURE.md (content addressing).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from compute.batch import PagedBatch
 from compute.build import build_key, package_path, read_build_key
 from compute.checkpoint import load_model
 from compute.config import HSTUConfig
+from compute.model import write_new_kv
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,9 @@ def load_eager(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         _check(kv_pool, batch, config)
         with torch.no_grad():
-            return model(*batch.graph_inputs(kv_pool))
+            scores, kv_rows, kv_values = model(*batch.graph_inputs(kv_pool))
+            write_new_kv(kv_pool, kv_rows, kv_values)
+        return scores
 
     return run
 
@@ -69,7 +74,9 @@ def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         _check(kv_pool, batch, config)
         with torch.no_grad():
-            return compiled(*batch.graph_inputs(kv_pool))
+            scores, kv_rows, kv_values = compiled(*batch.graph_inputs(kv_pool))
+            write_new_kv(kv_pool, kv_rows, kv_values)
+        return scores
 
     return run
 

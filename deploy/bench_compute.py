@@ -1,13 +1,21 @@
-"""Benchmark of the compute model alone (no Triton): AOTI package vs eager module, and a cached
-prefix (8 new events) vs full recompute, for histories of 256, 1,024 and 4,096 tokens with 64
-candidates, one user per call.
+"""Benchmark of the compute model alone (no Triton): what one paged forward costs, and that it
+costs its own tokens, not the KV pool's size.
 
-    .venv/bin/python deploy/bench_compute.py [--device cpu|cuda] [--repeats N] [--model-dir DIR]
+    .venv/bin/python -m deploy.bench_compute [--device cpu|cuda] [--model-config JSON]
+                                             [--pool-pages 32768] [--repeats N]
 
-The config is the default one with ``max_history_events`` raised to 4,096 (a 4,096-token history
-plus 8 new events is longer than the default maximum of 2,048 events); the model folder is a
-scratch folder (``/tmp/hstu-bench-compute`` by default) so the served model is never touched.
-Prints a table and writes ``deploy/reports/compute-<date>-<device>.json``.
+Cases, each with 16 new tokens and 64 candidates per user unless said otherwise, in a pool of
+``--pool-pages`` pages:
+- B=1 with 256, 1,024 and 4,096 cached tokens (a device hit);
+- B=8 and B=32 users with 1,024 cached tokens each;
+- a miss: B=1, 4,096 tokens all new;
+- the pool sweep: B=1, 1,024 cached tokens, against pools of 256 to ``--pool-pages`` pages:
+  median call time and the peak memory a call allocates (CUDA), which must not grow with the pool.
+
+Each case runs the AOTI package and the eager module. The model folder is a scratch folder
+(``/tmp/hstu-bench-compute-<config>`` by default) with ``max_history_events`` raised to 4,096, so
+the served model is never touched. Prints a table and writes
+``compute-<date>-<device>-<config>.json`` under ``--report-dir`` (default ``deploy/reports/``).
 """
 
 from __future__ import annotations
@@ -26,99 +34,160 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compute import HSTUConfig, PagedBatch, build, history_tokens, load_compiled, load_eager
+from compute import HSTUConfig, PagedBatch, build, load_compiled, load_eager
+from compute.runtime import Runner
 
 logger = logging.getLogger(__name__)
 
-HISTORY_TOKENS = (256, 1024, 4096)
-NEW_EVENTS = 8
+NEW_TOKENS = 16
 CANDIDATES = 64
+POOL_SWEEP = (256, 2048, 8192, 32768)
 REPORTS = Path(__file__).resolve().parent / "reports"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per case (median reported)")
-    parser.add_argument("--model-dir", default="/tmp/hstu-bench-compute")
-    options = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """``users`` users, each with ``cached`` tokens in the pool and ``new`` new tokens."""
 
-    config = dataclasses.replace(HSTUConfig(), max_history_events=4096)
-    model_dir = Path(options.model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config.save(model_dir)
-    build_started = time.perf_counter()
-    build(model_dir, options.device)
-    build_s = time.perf_counter() - build_started
-    runners = {"eager": load_eager(model_dir, options.device), "aoti": load_compiled(model_dir, options.device)}
-
-    rng = np.random.default_rng(0)
-    results = []
-    for history in HISTORY_TOKENS:
-        total_events = history // 2 + NEW_EVENTS
-        items = rng.integers(1, config.item_vocab, total_events, dtype=np.int64)
-        actions = rng.integers(0, config.action_vocab, total_events, dtype=np.int64)
-        tokens = history_tokens(items, actions, config)  # [history + 16]
-        candidates = rng.integers(1, config.item_vocab, CANDIDATES, dtype=np.int64)
-        row = list(range(-(-tokens.numel() // config.page_size)))
-        pool = torch.zeros(config.num_layers, len(row), 2, config.page_size, config.num_heads, config.head_dim,
-                           dtype=config.torch_dtype, device=options.device)
-        full = PagedBatch.from_requests([(tokens, 0, row, candidates)])
-        cached = PagedBatch.from_requests([(tokens[history:], history, row, candidates)])  # 16 new tokens
-        case = {"history_tokens": history, "new_tokens_cached": tokens.numel() - history, "candidates": CANDIDATES}
-        for name, run in runners.items():
-            case[f"{name}_full_ms"] = _median_ms(run, pool, full, options.repeats, options.device)
-            case[f"{name}_cached_ms"] = _median_ms(run, pool, cached, options.repeats, options.device)
-        for mode in ("full", "cached"):
-            case[f"eager_over_aoti_{mode}"] = case[f"eager_{mode}_ms"] / case[f"aoti_{mode}_ms"]
-        for name in runners:
-            case[f"{name}_full_over_cached"] = case[f"{name}_full_ms"] / case[f"{name}_cached_ms"]
-        results.append(case)
-        _print_case(case)
-
-    report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": options.device,
-        "device_name": torch.cuda.get_device_name() if options.device == "cuda" else platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "config": dataclasses.asdict(config),
-        "repeats": options.repeats,
-        "build_s": build_s,
-        "results": results,
-    }
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    path = REPORTS / f"compute-{datetime.date.today().isoformat()}-{options.device}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
+    name: str
+    users: int
+    cached: int
+    new: int = NEW_TOKENS
+    candidates: int = CANDIDATES
 
 
-def _median_ms(run, pool: torch.Tensor, batch: PagedBatch, repeats: int, device: str) -> float:
-    for _ in range(2):  # warm-up
+CASES = (
+    Case("hit B=1 256", 1, 256),
+    Case("hit B=1 1024", 1, 1024),
+    Case("hit B=1 4096", 1, 4096),
+    Case("hit B=8 1024", 8, 1024),
+    Case("hit B=32 1024", 32, 1024),
+    Case("miss B=1 4096", 1, 0, new=4096),
+)
+
+
+def make_batch(config: HSTUConfig, case: Case, pool_pages: int, rng: np.random.Generator) -> PagedBatch:
+    """A batch of ``case.users`` users with distinct random pages of a ``pool_pages`` pool."""
+    pages_per_user = -(-(case.cached + case.new) // config.page_size)
+    if pages_per_user * case.users > pool_pages:
+        raise ValueError(f"pool_pages: {case.name} needs {pages_per_user * case.users} pages, the pool has {pool_pages}")
+    pages = rng.permutation(pool_pages)[:pages_per_user * case.users].reshape(case.users, pages_per_user)
+    requests = [(rng.integers(1, config.vocab_size, case.new, dtype=np.int64), case.cached, pages[b],
+                 rng.integers(1, config.item_vocab, case.candidates, dtype=np.int64))
+                for b in range(case.users)]
+    return PagedBatch.from_requests(requests)
+
+
+def new_pool(config: HSTUConfig, pages: int, device: str) -> torch.Tensor:
+    return torch.zeros(config.num_layers, pages, 2, config.page_size, config.num_heads, config.head_dim,
+                       dtype=config.torch_dtype, device=device)
+
+
+def median_call_ms(run: Runner, pool: torch.Tensor, batch: PagedBatch, repeats: int) -> float:
+    """Median wall time of ``run(pool, batch)`` over ``repeats`` calls, after two warm-ups."""
+    cuda = pool.device.type == "cuda"
+    for _ in range(2):
         run(pool, batch)
     times = []
     for _ in range(repeats):
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
         run(pool, batch)
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
 
-def _print_case(case: dict) -> None:
-    print(f"history {case['history_tokens']:>5} tokens, {case['candidates']} candidates: "
-          f"full  eager {case['eager_full_ms']:8.2f} ms  aoti {case['aoti_full_ms']:8.2f} ms "
-          f"(eager/aoti {case['eager_over_aoti_full']:.2f}x) | "
-          f"cached ({case['new_tokens_cached']} new)  eager {case['eager_cached_ms']:7.2f} ms  "
-          f"aoti {case['aoti_cached_ms']:7.2f} ms (eager/aoti {case['eager_over_aoti_cached']:.2f}x) | "
-          f"full/cached  eager {case['eager_full_over_cached']:.1f}x  aoti {case['aoti_full_over_cached']:.1f}x",
-          flush=True)
+def call_peak_bytes(run: Runner, pool: torch.Tensor, batch: PagedBatch) -> int:
+    """Bytes one call allocates at its peak above what was allocated before it (CUDA only)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run(pool, batch)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the default config)")
+    parser.add_argument("--pool-pages", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
+    parser.add_argument("--model-dir", type=Path, help="scratch model folder (default: /tmp/hstu-bench-compute-<config>)")
+    parser.add_argument("--report-dir", type=Path, default=REPORTS)
+    options = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    base = HSTUConfig.load(options.model_config) if options.model_config else HSTUConfig()
+    config = dataclasses.replace(base, max_history_events=max(base.max_history_events, 4096))
+    config_name = options.model_config.stem if options.model_config else "default"
+    model_dir = options.model_dir or Path(f"/tmp/hstu-bench-compute-{config_name}")
+    model_dir.mkdir(parents=True, exist_ok=True)
+    config.save(model_dir)
+    build_started = time.perf_counter()
+    build(model_dir, options.device)
+    build_s = time.perf_counter() - build_started
+    runners = {"aoti": load_compiled(model_dir, options.device), "eager": load_eager(model_dir, options.device)}
+    rng = np.random.default_rng(0)
+    cuda = options.device == "cuda"
+
+    pool = new_pool(config, options.pool_pages, options.device)
+    pool_bytes = pool.numel() * pool.element_size()
+    print(f"config {config_name}, pool {options.pool_pages} pages ({pool_bytes / 2**30:.2f} GiB), "
+          f"{options.device}, median of {options.repeats}")
+    cases = []
+    for case in CASES:
+        batch = make_batch(config, case, options.pool_pages, rng)
+        row = {"case": case.name, "users": case.users, "cached_tokens": case.cached, "new_tokens": case.new,
+               "candidates": case.candidates}
+        for name, run in runners.items():
+            row[f"{name}_ms"] = median_call_ms(run, pool, batch, options.repeats)
+        cases.append(row)
+        print(f"  {case.name:<16} aoti {row['aoti_ms']:8.2f} ms   eager {row['eager_ms']:8.2f} ms", flush=True)
+    del pool
+
+    sweep = []
+    sweep_case = CASES[1]
+    for pages in [p for p in POOL_SWEEP if p < options.pool_pages] + [options.pool_pages]:
+        pool = new_pool(config, pages, options.device)
+        batch = make_batch(config, sweep_case, pages, rng)
+        point = {"pool_pages": pages, "pool_bytes": pool.numel() * pool.element_size(),
+                 "aoti_ms": median_call_ms(runners["aoti"], pool, batch, options.repeats)}
+        if cuda:
+            point["call_peak_bytes"] = call_peak_bytes(runners["aoti"], pool, batch)
+            point["call_peak_over_pool"] = point["call_peak_bytes"] / point["pool_bytes"]
+        sweep.append(point)
+        print(f"  pool {pages:>6} pages: aoti {point['aoti_ms']:7.2f} ms"
+              + (f", call peak {point['call_peak_bytes'] / 2**20:8.1f} MiB "
+                 f"({100 * point['call_peak_over_pool']:.3f}% of the pool)" if cuda else ""), flush=True)
+        del pool
+    largest_over_smallest = sweep[-1]["aoti_ms"] / sweep[0]["aoti_ms"]
+    print(f"  call time, pool {sweep[-1]['pool_pages']} / {sweep[0]['pool_pages']} pages: "
+          f"{largest_over_smallest:.2f}x (goal <= 1.2x)")
+
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": options.device,
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "config_name": config_name,
+        "config": dataclasses.asdict(config),
+        "pool_pages": options.pool_pages,
+        "repeats": options.repeats,
+        "build_s": build_s,
+        "cases": cases,
+        "pool_sweep": sweep,
+        "pool_sweep_largest_over_smallest": largest_over_smallest,
+    }
+    options.report_dir.mkdir(parents=True, exist_ok=True)
+    path = options.report_dir / f"compute-{datetime.date.today().isoformat()}-{options.device}-{config_name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":

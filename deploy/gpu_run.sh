@@ -1,24 +1,58 @@
 #!/usr/bin/env bash
 # One GPU session on the air-gapped H200 host, from a checkout that carries .bundle/
-# (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, builds the
-# CUDA AOTI package, serves the ensemble on the GPU, checks a 200-request trace against the
-# fp32 reference and sweeps concurrency; results land in ${OUT:-deploy/reports}.
-#   deploy/gpu_run.sh [CONFIG_JSON] [TOLERANCE]
+# (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, then runs the
+# stages asked for (default: all), each writing its results to ${OUT:-deploy/reports}:
+#   compute  the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
+#            independent of the pool) and the compute benchmark of both GPU configs
+#   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..64, every score
+#            checked at every concurrency, clean-stop time), then hstu-bench's cache phase
+#            (device hit / host hit / miss at 256..4,096 tokens, both models)
+#   deploy/gpu_run.sh [compute] [serve] [--configs "small large"] [--tolerance 5e-2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
-CONFIG="${1:-deploy/configs/gpu_small_bf16.json}"
-TOL="${2:-5e-2}"
+STAGES=() CONFIGS="small large" TOL=5e-2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    compute|serve) STAGES+=("$1") ;;
+    --configs) CONFIGS="$2"; shift ;;
+    --tolerance) TOL="$2"; shift ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected compute, serve, --configs, --tolerance)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(compute serve)
+POOL_PAGES=32768
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# AOTI packages built with the image's default compiler segfault on load (DESIGN.md).
+# AOTI packages built with the GPU image's default compiler segfault on load.
 export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 # Into the host Python itself: the Python-backend stub finds packages through the `python3` on
-# PATH, not through PYTHONPATH (DESIGN.md).
+# PATH, not through PYTHONPATH.
 eval "$(deploy/setup_offline.sh .bundle)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu-host.txt"
 python3 -c "import torch, numpy, zmq, tritonclient.grpc; print('torch', torch.__version__, 'numpy', numpy.__version__)" \
   | tee -a "$OUT/gpu-host.txt"
-python3 -m deploy.make_configs --device cuda
-python3 -m deploy.demo --device cuda --model-config "$CONFIG" --tolerance "$TOL" --pool-pages 32768 \
-  --users 40 --requests 200 --median-events 600 --concurrency 1 4 8 16 32 \
-  --json-out "$OUT/gpu-demo-$(basename "$CONFIG" .json).json" 2>&1 | tee "$OUT/gpu-demo.log" | grep -v "^20.*INFO"
+status=0
+
+for stage in "${STAGES[@]}"; do
+  if [ "$stage" = compute ]; then
+    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/compute/test_compute_cuda.py 2>&1 \
+      | tee "$OUT/gpu-pytest-cuda.log" || status=1
+    for name in $CONFIGS; do
+      python3 -m deploy.bench_compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
+        --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+    done
+  fi
+  if [ "$stage" = serve ]; then
+    python3 -m deploy.make_configs --device cuda
+    for name in $CONFIGS; do
+      config="deploy/configs/gpu_${name}_bf16.json"
+      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
+        --users 40 --requests 200 --median-events 600 --concurrency 1 4 8 16 32 64 \
+        --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
+      python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" --phases cache \
+        --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+    done
+  fi
+done
+exit $status

@@ -15,6 +15,7 @@ import torch
 
 from compute import HSTUConfig, PagedBatch, build, fingerprint, load_compiled
 from compute.batch import GRAPH_INPUT_NAMES
+from compute.build import check_no_input_mutation
 from compute.build import main as hstu_build_main
 from compute.build import package_path
 from compute.checkpoint import CHECKPOINT_FILENAME, load_model, save_checkpoint
@@ -24,7 +25,9 @@ CHILD = r"""
 import sys, torch
 inputs = torch.load(sys.argv[2], weights_only=True)
 run = torch._inductor.aoti_load_package(sys.argv[1])
-scores = run(*inputs)
+scores, kv_rows, kv_values = run(*inputs)
+pool = inputs[0]
+pool.view(-1, *pool.shape[-2:]).index_copy_(0, kv_rows, kv_values)  # what compute.model.write_new_kv does
 torch.save({"scores": scores, "kv_pool": inputs[0]}, sys.argv[3])
 assert not [m for m in sys.modules if m == "compute" or m.startswith("compute.")], "compute was imported"
 """
@@ -83,7 +86,6 @@ def test_missing_package_is_reported(tmp_path):
 
 
 def test_fingerprint_names_weights_and_config(model_dir, tmp_path):
-    assert fingerprint(model_dir) == fingerprint(model_dir)
     assert len(fingerprint(model_dir)) == 64
 
     other_seed = tmp_path / "seed1"
@@ -99,5 +101,39 @@ def test_seeded_checkpoint_is_deterministic(model_dir, tmp_path):
     """Two processes that each write the missing checkpoint agree on the weights (and the namespace)."""
     HSTUConfig().save(tmp_path)
     assert not (tmp_path / CHECKPOINT_FILENAME).exists()
+    other = subprocess.run([sys.executable, "-c", "import sys; from compute import fingerprint; print(fingerprint(sys.argv[1]))",
+                            str(tmp_path)], check=True, capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parents[2])
+    assert other.stdout.strip() == fingerprint(model_dir)
     assert fingerprint(tmp_path) == fingerprint(model_dir)
+
+
+class _WritesItsInput(torch.nn.Module):
+    def forward(self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        pool.index_copy_(0, rows, values)
+        return values.sum()
+
+
+class _ReturnsWhatToWrite(torch.nn.Module):
+    def forward(self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return pool[rows].sum(), rows, values * 2
+
+
+def test_a_graph_that_writes_its_input_is_refused():
+    """The structural check behind "a call costs its tokens, not the pool": Inductor compiles a
+    write into a graph input as a copy of the whole input (on CUDA), so the build refuses any
+    export that mutates an input. Runs on the CPU, where the copy itself cannot be seen."""
+    args = (torch.zeros(16, 4), torch.tensor([1, 3]), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match=r"writes its inputs \['pool'\]"):
+        check_no_input_mutation(torch.export.export(_WritesItsInput(), args))
+    check_no_input_mutation(torch.export.export(_ReturnsWhatToWrite(), args))
+
+
+def test_the_served_forward_only_reads_the_pool(model_dir, config):
+    """The real paged forward exports with no input mutated (``build`` also checks this)."""
+    from compute.build import _dynamic_shapes, _sample_inputs
+    model = load_model(model_dir).requires_grad_(False)
+    with torch.no_grad():
+        exported = torch.export.export(model, _sample_inputs(config, "cpu"), dynamic_shapes=_dynamic_shapes())
+    check_no_input_mutation(exported)
 

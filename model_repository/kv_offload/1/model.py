@@ -8,6 +8,7 @@ into the host store and reaps finished puts. `finalize` (model unload, server st
 waits for every pending offload before returning.
 """
 import logging
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -84,6 +85,7 @@ class TritonPythonModel:
                            self.settings.pool_handle_path, exc_info=True)
 
     def finalize(self):
+        started = time.monotonic()
         left = self.worker.stop(flush_timeout_s=FLUSH_TIMEOUT_S)
         if left:
             logger.warning("kv_offload: %d offloads still pending after %.0fs; their pages were not offloaded",
@@ -91,3 +93,4 @@ class TritonPythonModel:
         if self.store is not None:
             self.store.close()
         self.control.close()
+        logger.info("kv_offload: finalized in %.1f s (%d offloads left)", time.monotonic() - started, left)

@@ -1,0 +1,95 @@
+"""The CUDA package, checked where it runs (marked ``cuda``; skipped on machines without a GPU,
+such as CI, and run on the H200 by ``deploy/gpu_run.sh``).
+
+- the CUDA AOTI package builds, loads, and serves cached == uncached within the bf16 tolerance;
+- a call costs its own tokens, not the pool: its time at 256 and at 32,768 pool pages is within
+  1.2x, and what it allocates at its peak is under 1% of the pool (the package once copied the
+  whole pool twice per call, which no CPU test could see).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compute import HSTUConfig, PagedBatch, build, load_compiled, load_reference
+from deploy.bench_compute import Case, call_peak_bytes, make_batch, median_call_ms
+from deploy.bench_compute import new_pool as zero_pool
+from paged_helpers import PageAllocator, make_user, new_pool, serve
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh on the GPU host)"),
+]
+
+GPU_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
+BF16_TOLERANCE = 5e-2  # max abs diff of bf16 paged scores vs the fp32 reference (the demo's --tolerance)
+
+
+@pytest.fixture(scope="module")
+def cuda_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hstu_cuda")
+    HSTUConfig.load(GPU_CONFIG).save(folder)
+    build(folder, "cuda")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cuda_runner(cuda_model_dir):
+    return load_compiled(cuda_model_dir, "cuda")
+
+
+def test_cuda_package_matches_the_reference(cuda_model_dir, cuda_runner):
+    config = HSTUConfig.load(cuda_model_dir)
+    reference = load_reference(cuda_model_dir)
+    rng = np.random.default_rng(5)
+    pages = PageAllocator(256, rng)
+    users = [make_user(rng, config, events, 8, pages) for events in (3, 40, 300, 700)]
+    pool = new_pool(config, 256).cuda()
+
+    scores = serve(cuda_runner, pool, users).cpu().numpy()
+
+    expected = np.concatenate([reference.score(0, u.item_ids, u.action_ids, u.candidate_ids) for u in users])
+    assert np.isfinite(scores).all()
+    worst = float(np.abs(scores - expected).max())
+    assert worst <= BF16_TOLERANCE, f"max abs diff {worst:.3g} vs the fp32 reference, tolerance {BF16_TOLERANCE}"
+
+
+def test_call_cost_does_not_grow_with_the_pool(cuda_model_dir, cuda_runner):
+    config = HSTUConfig.load(cuda_model_dir)
+    case = Case("hit B=1 1024", users=1, cached=1024)
+    rng = np.random.default_rng(6)
+    times, peaks = {}, {}
+    for pages in (256, 32768):
+        pool = zero_pool(config, pages, "cuda")
+        batch = make_batch(config, case, pages, rng)
+        times[pages] = median_call_ms(cuda_runner, pool, batch, repeats=30)
+        peaks[pages] = call_peak_bytes(cuda_runner, pool, batch)
+        pool_bytes = pool.numel() * pool.element_size()
+        del pool
+        torch.cuda.empty_cache()
+    assert times[32768] <= 1.2 * times[256], f"call time {times} ms: grows with the pool"
+    assert peaks[32768] < 0.01 * pool_bytes, (f"one call allocated {peaks[32768] / 2**20:.1f} MiB at its peak, "
+                                             f"the pool is {pool_bytes / 2**20:.0f} MiB: something copies the pool")
+
+
+def test_a_call_writes_only_its_new_tokens_rows(cuda_runner, cuda_model_dir):
+    """Every slot outside the new tokens' positions keeps its bytes: the write is one indexed copy."""
+    config = HSTUConfig.load(cuda_model_dir)
+    rng = np.random.default_rng(7)
+    pool = torch.randn(config.num_layers, 64, 2, config.page_size, config.num_heads, config.head_dim,
+                       dtype=config.torch_dtype, device="cuda")
+    before = pool.clone()
+    # 32 cached tokens in page 3; 40 new ones at positions 32..71: page 9 whole, page 12 offsets 0..7.
+    batch = PagedBatch.from_requests([(rng.integers(1, config.vocab_size, 40, dtype=np.int64), 32, [3, 9, 12],
+                                       rng.integers(1, config.item_vocab, 5, dtype=np.int64))])
+    cuda_runner(pool, batch)
+
+    changed = (pool != before).flatten(3).any(-1).any(0).any(1)  # [P, S]: any layer, K or V
+    expected = torch.zeros_like(changed)
+    expected[9, :] = True
+    expected[12, :8] = True
+    assert torch.equal(changed, expected), f"written slots differ: {changed.nonzero().tolist()}"
