@@ -79,7 +79,7 @@ class EmbeddedStoreClient(HostStoreClient):
 
     def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = 0.5,
                  retry_interval_s: float = 1.0, task_start_timeout_s: float = 5.0,
-                 pool_handle: dict[str, Any] | None = None) -> None:
+                 pool_handle: dict[str, Any] | None = None, register_timeout_s: float = 10.0) -> None:
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
         if page_size <= 0 or page_size % 2:
@@ -91,6 +91,10 @@ class EmbeddedStoreClient(HostStoreClient):
         self.rpc_timeout_s = rpc_timeout_s
         self.retry_interval_s = retry_interval_s
         self.task_start_timeout_s = task_start_timeout_s
+        # Attaching a pool maps it in the store (a CUDA IPC open on a GPU), once per pool: it
+        # may take longer than a request's RPC budget, and a timeout here was counted as a
+        # store error on every clean start.
+        self.register_timeout_s = register_timeout_s
         self._pool_handle = pool_handle
         self._pool_id = pool_id(pool_handle) if pool_handle is not None else None
         self._client_id = uuid.uuid4().hex
@@ -116,7 +120,7 @@ class EmbeddedStoreClient(HostStoreClient):
         with self._lock:
             self._pool_handle = handle
             self._pool_id = pool_id(handle)
-        reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle})
+        reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle}, timeout_s=self.register_timeout_s)
         if reply is not None and reply["rpc"] != RpcStatus.OK.value:
             self._count_refusal("register_pool", reply)
         return reply is not None and reply["rpc"] == RpcStatus.OK.value
@@ -270,8 +274,10 @@ class EmbeddedStoreClient(HostStoreClient):
         return task_id
 
     def _rpc(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
-             accept_deadline: bool = False, retried: bool = False) -> dict[str, Any] | None:
-        """One request/reply; None when the store is unreachable (counted and logged)."""
+             accept_deadline: bool = False, retried: bool = False,
+             timeout_s: float | None = None) -> dict[str, Any] | None:
+        """One request/reply within ``timeout_s`` (default ``rpc_timeout_s``); None when the
+        store is unreachable (counted and logged)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("EmbeddedStoreClient: used after close()")
@@ -281,14 +287,14 @@ class EmbeddedStoreClient(HostStoreClient):
                 return None
             self._seq += 1
             seq = self._seq
-            deadline = now + self.rpc_timeout_s
+            deadline = now + (timeout_s or self.rpc_timeout_s)
             request = {**header, "seq": seq, "client": self._client_id}
             if accept_deadline:
                 # The server refuses the request after this, so the caller may give up at the deadline.
                 request["accept_by"] = now + self.rpc_timeout_s / 2
             reply = self._exchange(encode(request, arrays), seq, deadline)
             if reply is None:
-                self._mark_down(header["op"])
+                self._mark_down(header["op"], timeout_s or self.rpc_timeout_s)
                 return None
             self._mark_up()
         if reply["rpc"] == RpcStatus.NO_POOL.value and self._pool_handle is not None and not retried:
@@ -337,7 +343,7 @@ class EmbeddedStoreClient(HostStoreClient):
             self._sock.close(0)
             self._sock = None
 
-    def _mark_down(self, op: str) -> None:
+    def _mark_down(self, op: str, timeout_s: float) -> None:
         self._counters["errors"] += 1
         self._counters["rpc_timeouts"] += 1
         self._down_until = time.monotonic() + self.retry_interval_s
@@ -345,7 +351,7 @@ class EmbeddedStoreClient(HostStoreClient):
             self._up = False
             self._counters["outages"] += 1
             logger.warning("host store %s unreachable (%s timed out after %.3f s); failing open "
-                           "(misses, FAILED tasks) until it answers", self.endpoint, op, self.rpc_timeout_s)
+                           "(misses, FAILED tasks) until it answers", self.endpoint, op, timeout_s)
 
     def _mark_up(self) -> None:
         if not self._up:
