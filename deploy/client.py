@@ -231,16 +231,28 @@ def partition_by_user(trace: list[RankingRequest], parts: int) -> list[list[int]
     return [sorted(indexes) for indexes in out if indexes]
 
 
-def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path) -> float:
-    """Max abs difference between the served scores and the reference scorer's (invariant 1)."""
+def reference_scores(trace: list[RankingRequest], model_repository: str | Path) -> list[np.ndarray]:
+    """The reference scorer's scores of every request of ``trace``: compute once, then check
+    every run over the same trace against them (``check_scores(..., expected=...)``)."""
     from compute import load_reference
 
     ref = load_reference(str(model_repository))
+    return [ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids) for r in trace]
+
+
+def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path,
+                 expected: list[np.ndarray] | None = None) -> float:
+    """Max abs difference between the served scores and the reference scorer's (invariant 1).
+    ``expected``: ``reference_scores(trace, ...)`` when already computed."""
+    if expected is None:
+        from compute import load_reference
+
+        ref = load_reference(str(model_repository))
     worst = 0.0
     for i, served in result.scores.items():
         r = trace[i]
-        expected = ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
-        worst = max(worst, float(np.abs(np.asarray(served) - expected).max()))
+        want = expected[i] if expected is not None else ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
+        worst = max(worst, float(np.abs(np.asarray(served) - want).max()))
     return worst
 
 

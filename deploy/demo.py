@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from compute import HSTUConfig
-from deploy.client import check_scores, replay
+from deploy.client import check_scores, reference_scores, replay
 from deploy.launcher import LaunchConfig, Server
 from deploy.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
@@ -58,12 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         trace = generate(TraceConfig(num_users=a.users, num_requests=a.requests, initial_events_median=a.median_events,
                                      max_history_events=model_cfg.max_history_events))
         report["model_config"] = json.loads(model_cfg.to_json())
+        expected = reference_scores(trace, server.settings.model_dir)
         print(f"\nserving on grpc {server.grpc_url}, http {server.http_url}, metrics {server.metrics_url}\n")
         print(f"{'model':<18}{'conc':>5}{'ok':>6}{'errors':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max |diff|':>12}")
         for concurrency in a.concurrency:
             for model in (ENSEMBLE, MONOLITHIC):
                 result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
-                worst = check_scores(trace, result, server.settings.model_dir)
+                worst = check_scores(trace, result, server.settings.model_dir, expected)
                 failed |= bool(result.errors) or worst > a.tolerance
                 report["runs"].append({"model": model, "concurrency": concurrency, "ok": len(result.scores),
                                        "errors": len(result.errors), "throughput": result.throughput,

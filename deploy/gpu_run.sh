@@ -2,26 +2,28 @@
 # One GPU session on the air-gapped H200 host, from a checkout that carries .bundle/
 # (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, then runs the
 # stages asked for (default: all), each writing its results to ${OUT:-deploy/reports}:
-#   compute  the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
-#            independent of the pool) and the compute benchmark of both GPU configs
+#   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
+#            independent of the pool, only the new tokens' rows written)
+#   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
 #   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..64, every score
 #            checked at every concurrency, clean-stop time), then hstu-bench's cache phase
 #            (device hit / host hit / miss at 256..4,096 tokens, both models)
-#   deploy/gpu_run.sh [compute] [serve] [--configs "small large"] [--tolerance 5e-2]
+# Stages run in the order given.
+#   deploy/gpu_run.sh [pytest] [compute] [serve] [--configs "small large"] [--tolerance 5e-2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL=5e-2
 while [ $# -gt 0 ]; do
   case "$1" in
-    compute|serve) STAGES+=("$1") ;;
+    pytest|compute|serve) STAGES+=("$1") ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL="$2"; shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected compute, serve, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(compute serve)
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(pytest compute serve)
 POOL_PAGES=32768
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # AOTI packages built with the GPU image's default compiler segfault on load.
@@ -35,9 +37,11 @@ python3 -c "import torch, numpy, zmq, tritonclient.grpc; print('torch', torch.__
 status=0
 
 for stage in "${STAGES[@]}"; do
-  if [ "$stage" = compute ]; then
+  if [ "$stage" = pytest ]; then
     python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/compute/test_compute_cuda.py 2>&1 \
       | tee "$OUT/gpu-pytest-cuda.log" || status=1
+  fi
+  if [ "$stage" = compute ]; then
     for name in $CONFIGS; do
       python3 -m deploy.bench_compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
@@ -51,7 +55,7 @@ for stage in "${STAGES[@]}"; do
         --users 40 --requests 200 --median-events 600 --concurrency 1 4 8 16 32 64 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" --phases cache \
-        --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+        --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
     done
   fi
 done

@@ -88,7 +88,7 @@ def test_a_call_writes_only_its_new_tokens_rows(cuda_runner, cuda_model_dir):
                                        rng.integers(1, config.item_vocab, 5, dtype=np.int64))])
     cuda_runner(pool, batch)
 
-    changed = (pool != before).flatten(3).any(-1).any(0).any(1)  # [P, S]: any layer, K or V
+    changed = (pool != before).flatten(4).any(-1).any(0).any(1)  # [L, P, 2, S, H*D] -> [P, S]: any layer, K or V
     expected = torch.zeros_like(changed)
     expected[9, :] = True
     expected[12, :8] = True
