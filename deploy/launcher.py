@@ -142,11 +142,7 @@ class Server:
         """Start the embedded host store (also used by tests to bring it back after a kill)."""
         if self.store is not None and self.store.poll() is None:
             raise RuntimeError(f"host store pid {self.store.pid} is still running; stop or kill it first")
-        cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", self.settings.store_endpoint,
-               "--dram-bytes", str(self.config.store_dram_bytes)]
-        if self.config.store_disk_dir:
-            cmd += ["--disk-dir", str(self.config.store_disk_dir)]
-        cmd += list(self.config.store_extra_args)
+        cmd = self.store_command() + list(self.config.store_extra_args)
         sock = Path(self.settings.store_endpoint.removeprefix("ipc://"))
         # A killed store leaves its socket file behind; without this the wait below would pass at once.
         sock.unlink(missing_ok=True)
@@ -189,6 +185,14 @@ class Server:
         self.stop()
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def store_command(self) -> list[str]:
+        """The embedded host store's full command line (also what `--print-env` prints)."""
+        cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", self.settings.store_endpoint,
+               "--dram-bytes", str(self.config.store_dram_bytes)]
+        if self.config.store_disk_dir:
+            cmd += ["--disk-dir", str(self.config.store_disk_dir)]
+        return cmd
 
     def triton_command(self) -> list[str]:
         install = find_triton()
@@ -349,17 +353,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
 
 
 def print_env(server: Server) -> None:
+    """Print a bash recipe that starts what `hstu-serve` starts, by hand, exactly as printed: the
+    environment, the run directory, the store (with every argument it needs, then a wait until
+    its socket is up, so kv_lookup_alloc finds it at load) and tritonserver."""
     env = server.environment()
-    keys = ["PATH", "LD_LIBRARY_PATH", *server.settings.to_env()]
-    print("# environment for a tritonserver started by hand (bash):")
-    for k in keys:
+    settings = server.settings
+    print("# hstu-serve by hand (bash). PATH and LD_LIBRARY_PATH alone serve too: without the HSTU_*")
+    print("# lines and the store, the models use a private run dir and the device cache alone.")
+    for k in ["PATH", "LD_LIBRARY_PATH", *settings.to_env()]:
         print(f"export {k}={shlex.quote(env[k])}")
     print(f"mkdir -p -m 700 {shlex.quote(str(server.run_dir))}")
-    if server.settings.store == "embedded":
-        print(f"python -m kvlifecycle.store --endpoint {server.settings.store_endpoint} &")
-    elif server.settings.store == "mooncake":
-        print(f"# mooncake_master must be running at {server.settings.store_endpoint}")
+    if settings.store == "embedded":
+        sock = shlex.quote(settings.store_endpoint.removeprefix("ipc://"))
+        print(f"rm -f {sock}  # a killed store's socket would end the wait below at once")
+        print(f"{shlex.join(server.store_command())} &")
+        print(f"while [ ! -S {sock} ] && kill -0 $! 2>/dev/null; do sleep 0.1; done  # until the store listens")
+    elif settings.store == "mooncake":
+        print(f"# mooncake_master must be running at {settings.store_endpoint}")
     print(shlex.join(server.triton_command()))
+    if settings.store == "embedded":
+        print("kill $!  # tritonserver has stopped (its offloads flushed): stop the store")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@ variables; the models call `ServingSettings.from_env()` once in `initialize`.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields
+import stat
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -20,18 +22,34 @@ DEVICES = ("cpu", "cuda")
 _PREFIX = "HSTU_"
 
 
+def default_run_dir(env: Mapping[str, str]) -> Path:
+    """The run directory when HSTU_RUN_DIR is not set (a tritonserver started by hand).
+
+    Every model process of one tritonserver inherits its environment, so they all compute the
+    same path with no variable set; it is per user, so two users' servers never meet in it."""
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        return Path(runtime) / "hstu-serve"
+    return Path("/tmp") / f"hstu-serve-{os.getuid()}"
+
+
 @dataclass
 class ServingSettings:
     """What every model process needs to know about this deployment.
 
-    run_dir holds the deployment's sockets and the published page-pool handle; it is created
-    0700 by the launcher so only this user's processes can reach the control plane.
+    run_dir holds the deployment's sockets and the published page-pool handle. Its sockets take
+    commands without authentication, so it must be private: `prepare_run_dir` creates it 0700
+    (or checks an existing one) in every model of the ensemble, and the launcher creates it too.
+
+    The defaults serve a `tritonserver --model-repository model_repository` started with no
+    HSTU_* variable: a per-user run dir, and no host store (the device cache alone; kv_lookup_alloc
+    logs that once). `hstu-serve` sets every variable, and starts the embedded store.
     """
 
-    run_dir: Path = Path("/tmp/hstu-serve")
+    run_dir: Path = field(default_factory=lambda: default_run_dir(os.environ))
     device: str = "cpu"
     model_dir: Path = DEFAULT_MODEL_DIR
-    store: str = "embedded"
+    store: str = "none"  # none: the device cache alone; embedded: the store at store_endpoint (hstu-serve starts it)
     store_endpoint: str = ""  # embedded: ipc://<run_dir>/store.sock; mooncake: master address
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
@@ -71,10 +89,36 @@ class ServingSettings:
         """Where kv_lookup_alloc publishes the page pool's handle for the other models."""
         return self.run_dir / "pool.json"
 
+    def prepare_run_dir(self) -> Path:
+        """Create run_dir with mode 0700, or check that an existing one is a directory (not a
+        symlink) of this user that nobody else can enter. Models load in parallel: whichever
+        comes first creates it. Raises PermissionError naming the problem and the fix."""
+        path = self.run_dir
+        try:
+            path.mkdir(mode=0o700, parents=True)
+            os.chmod(path, 0o700)  # mkdir's mode is cut by the umask; never widened, but be exact
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        mode = stat.S_IMODE(st.st_mode)
+        problem = None
+        if not stat.S_ISDIR(st.st_mode):
+            problem = "is not a directory (a symlink or a file)"
+        elif st.st_uid != os.getuid():
+            problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+        elif mode & 0o077:
+            problem = f"has mode {mode:o}: other users can reach its sockets"
+        if problem is not None:
+            raise PermissionError(f"{_PREFIX}RUN_DIR={path} {problem}; the run directory must be private to "
+                                  f"this user: chmod 700 it, or set {_PREFIX}RUN_DIR to a path that does not exist yet")
+        return path
+
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "ServingSettings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ServingSettings":
+        """The settings from HSTU_* variables; every unset one takes its default (`default_run_dir`
+        from this same environment, so every process of one tritonserver agrees on it)."""
         env = os.environ if env is None else env
-        kwargs = {}
+        kwargs: dict[str, object] = {"run_dir": default_run_dir(env)}
         for f in fields(cls):
             raw = env.get(_PREFIX + f.name.upper())
             if raw is None:

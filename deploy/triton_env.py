@@ -2,11 +2,11 @@
 
 The wheel carries a full tritonserver 2.51 (`pytriton/tritonserver/{bin,backends}`), the Python
 backend, stubs for several Python versions and the shared libraries they link
-(`nvidia_pytriton.libs`). To run it by hand (DESIGN.md, "Environment facts"):
+(`nvidia_pytriton.libs`). To run it by hand:
   1. copy `python_backend_stubs/<X.Y>/triton_python_backend_stub` into `backends/python/`;
   2. put `nvidia_pytriton.libs` and this Python's libdir on `LD_LIBRARY_PATH`;
   3. put this venv's `bin` first on `PATH`: the stub finds site-packages through the
-     `python3` on `PATH`, not through `PYTHONPATH`.
+     `python3` on `PATH`, not through `PYTHONPATH`; then tritonserver's `bin`.
 `hstu-serve --print-env` prints the result for a `tritonserver` started by hand.
 """
 from __future__ import annotations
@@ -95,7 +95,8 @@ def triton_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
         lib_dirs.append(cudart)
     old_ld = env.get("LD_LIBRARY_PATH", "")
     env["LD_LIBRARY_PATH"] = ":".join(d for d in [*lib_dirs, old_ld] if d)
-    env["PATH"] = ":".join([venv_bin, env.get("PATH", "")])
+    # tritonserver's own bin dir too, so that a hand-started `tritonserver` is found by name.
+    env["PATH"] = ":".join(d for d in [venv_bin, str(install.binary.parent), env.get("PATH", "")] if d)
     # The stub must import this venv's packages; a PYTHONPATH pointing elsewhere would shadow them.
     env.pop("PYTHONHOME", None)
     return env

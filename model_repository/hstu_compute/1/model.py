@@ -25,6 +25,7 @@ logger = logging.getLogger("hstu_compute")
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = ServingSettings.from_env()
+        self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.device = torch.device(self.settings.device)
         self.run = load_compiled(self.settings.model_dir, self.settings.device)
         self.control = ControlClient(self.settings.control_endpoint)

@@ -29,8 +29,14 @@ METRICS_INTERVAL_S = 1.0
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = ServingSettings.from_env()
+        self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)
         self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
+        if self.cache.store is None:  # once per server: this is the ensemble's one cache owner
+            logger.warning("kv_lookup_alloc: no host store (HSTU_STORE=%s): serving from the device cache alone, "
+                           "so a history evicted from the page pool is recomputed. For the host tier, run "
+                           "hstu-serve, or start the store and set HSTU_STORE=embedded as `hstu-serve --print-env` "
+                           "prints", self.settings.store)
         self.handle = ops.register(self.cache.manager)
         pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)

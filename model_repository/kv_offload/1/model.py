@@ -29,6 +29,7 @@ FLUSH_TIMEOUT_S = 60.0
 class TritonPythonModel:
     def initialize(self, args):
         self.settings = ServingSettings.from_env()
+        self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.config = HSTUConfig.load(self.settings.model_dir)
         self.control = ControlClient(self.settings.control_endpoint)
         self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS)
