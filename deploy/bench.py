@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1, default=float) + "\n")
     print(format_summary(report))
     print(f"\nwrote {out} (+ {len(report['plots'])} plots) in {report['elapsed_s']:.0f} s")
+    if bench.failed_requests:
+        print(f"hstu-bench: FAIL: {bench.failed_requests} requests failed; the figures above count only the "
+              "answered ones", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -165,6 +169,17 @@ class Bench:
                                          item_vocab=model["item_vocab"], action_vocab=model["action_vocab"]))
         self._variant = 0
         self._rng = np.random.default_rng(cfg.seed + 1)
+        self.failed_requests = 0  # over every replay; main exits non-zero when any failed
+
+    def replay(self, trace: list[RankingRequest], server: Server, model: str, concurrency: int) -> ReplayResult:
+        """`deploy.client.replay`, counting failed requests; a run that scored nothing raises (there is
+        nothing to measure, and its throughput of 0 would read as a result)."""
+        result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
+        self.failed_requests += len(result.errors)
+        if not result.scores:
+            raise RuntimeError(f"hstu-bench: {model} at concurrency {concurrency} on {server.grpc_url}: "
+                               f"{result.failure}; nothing to measure")
+        return result
 
     def fresh_trace(self, trace: list[RankingRequest] | None = None) -> list[RankingRequest]:
         self._variant += 1
@@ -196,7 +211,7 @@ class Bench:
         trace = self.base[: self.cfg.warmup_requests]
         for model in MODELS:
             logger.info("warm-up: %s", model)
-            replay(self.fresh_trace(trace), self.server.grpc_url, model=model, concurrency=4)
+            self.replay(self.fresh_trace(trace), self.server, model, 4)
 
     def sweep(self) -> dict[str, Any]:
         points = []
@@ -219,7 +234,7 @@ class Bench:
     def measured_replay(self, server: Server, model: str, concurrency: int) -> dict[str, Any]:
         trace = self.fresh_trace()
         before, metrics_before = model_stats(server), scrape_metrics(server)
-        result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
+        result = self.replay(trace, server, model, concurrency)
         after, metrics_after = model_stats(server), scrape_metrics(server)
         run = _run_summary(result, stats_delta(before, after))
         owner = LOOKUP if model == ENSEMBLE else MONOLITHIC  # lookup counters move inside execute: no lag
@@ -333,7 +348,7 @@ class Bench:
         """The same load on A (offload on) and B (--store none), interleaved."""
         c = self.cfg.offload_concurrency
         for model in MODELS:  # warm B
-            replay(self.fresh_trace(self.base[: self.cfg.warmup_requests]), off.grpc_url, model=model, concurrency=4)
+            self.replay(self.fresh_trace(self.base[: self.cfg.warmup_requests]), off, model, 4)
         runs: dict[str, dict[str, list]] = {m: {"on": [], "off": []} for m in MODELS}
         for r in range(self.cfg.repeats):
             for model in _order(r):

@@ -1,14 +1,17 @@
 """Clients of `hstu_ranking` (and `hstu_monolithic`): gRPC streaming and HTTP `/generate`.
 
 `hstu_ranking` is a decoupled ensemble, so Triton refuses it on HTTP `/infer` and unary gRPC;
-it answers on a gRPC bidirectional stream and on HTTP `/v2/models/<m>/generate` (DESIGN.md).
+it answers on a gRPC bidirectional stream and on HTTP `/v2/models/<m>/generate`.
 
     client = RankingClient("127.0.0.1:8001")            # gRPC stream
     scores = client.score(request)                       # np.ndarray [c, num_tasks]
     client = RankingClient("127.0.0.1:8000", http=True)  # HTTP /generate
 
 `replay(trace, ...)` is the load generator: a closed loop of `concurrency` clients, each with
-its own stream, taking the trace's requests in order.
+its own stream, taking the trace's requests in order. Every request of the trace ends up either
+scored or an error (a refused connection, a broken stream, a client that could not start):
+`ReplayResult.failure` says why a run cannot pass, and `check_scores` raises `CheckFailed` on
+such a run, and on one that scored nothing, instead of reporting a max diff over nothing.
 
 Routing by user (`route_header="x-user-id"`, `hstu-client --route-header`): every request
 carries its user id in that header, so a proxy with consistent hashing on it (`hstu-cluster`'s
@@ -45,6 +48,10 @@ MAX_USER_STREAMS = 64  # open gRPC streams per replay worker in routing mode (le
 
 class RequestFailed(RuntimeError):
     """The server answered with an error (bad input, pool exhausted, a failed step)."""
+
+
+class CheckFailed(RuntimeError):
+    """A score check that cannot pass: requests failed, or nothing was scored to compare."""
 
 
 class RankingClient:
@@ -110,8 +117,11 @@ class RankingClient:
             inputs.append(t)
         self._next_id += 1
         request_id = str(self._next_id)
-        self._client.async_stream_infer(self.model, inputs, request_id=request_id,
-                                        outputs=[self._grpc.InferRequestedOutput("scores")])
+        try:
+            self._client.async_stream_infer(self.model, inputs, request_id=request_id,
+                                            outputs=[self._grpc.InferRequestedOutput("scores")])
+        except Exception as e:  # the stream broke before this request went out; its callback has the cause
+            raise RequestFailed(f"{self._queued_error() or e}") from None
         while True:
             try:
                 result, error = self._responses.get(timeout=self.timeout_s)
@@ -122,6 +132,16 @@ class RankingClient:
             if result.get_response().id != request_id:
                 continue  # a late response to an earlier, timed-out request
             return result.as_numpy("scores")
+
+    def _queued_error(self) -> str | None:
+        """The error a broken stream reported through its callback, if it is waiting in the queue."""
+        try:
+            while True:
+                _, error = self._responses.get_nowait()
+                if error is not None:
+                    return str(error)
+        except queue.Empty:
+            return None
 
     def _score_http(self, request: RankingRequest) -> np.ndarray:
         body = json.dumps(request.to_json()).encode()
@@ -144,6 +164,17 @@ class ReplayResult:
     wall_s: float = 0.0
 
     @property
+    def failure(self) -> str | None:
+        """Why this run cannot pass (failed requests, or nothing scored); None when every request was scored."""
+        if self.errors:
+            first = min(self.errors)
+            return (f"{len(self.errors)} of {len(self.errors) + len(self.scores)} requests failed "
+                    f"(request {first}: {self.errors[first]})")
+        if not self.scores:
+            return "no request was scored"
+        return None
+
+    @property
     def throughput(self) -> float:
         return len(self.scores) / self.wall_s if self.wall_s else 0.0
 
@@ -156,18 +187,22 @@ def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurr
     """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors.
 
     With `route_header` each worker owns whole users and keeps one stream per user (see the
-    module docstring); without it the workers share the trace in order."""
+    module docstring); without it the workers share the trace in order. Any exception of a
+    request is that request's error (a broken gRPC stream raises from `async_stream_infer`, a
+    refused HTTP connection from urlopen); a request a worker never sent, because the worker
+    itself failed, is an error too."""
     result = ReplayResult()
     lock = threading.Lock()
     latencies: dict[int, float] = {}
+    worker_errors: list[str] = []
 
     def send(client: RankingClient, i: int) -> None:
         start = time.perf_counter()
         try:
             scores = client.score(trace[i])
-        except (RequestFailed, TimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - every failure is this request's error, never a lost request
             with lock:
-                result.errors[i] = str(e)
+                result.errors[i] = str(e) if isinstance(e, RequestFailed) else f"{type(e).__name__}: {e}"
             return
         with lock:
             latencies[i] = time.perf_counter() - start
@@ -201,17 +236,27 @@ def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurr
             for client in streams.values():
                 client.close()
 
+    def guarded(fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - recorded; its unsent requests become errors below
+            with lock:
+                worker_errors.append(f"{type(e).__name__}: {e}")
+
     if route_header is None:
         targets = [(shared_worker, ()) for _ in range(concurrency)]
     else:
         targets = [(user_worker, (indexes,)) for indexes in partition_by_user(trace, concurrency)]
     start = time.perf_counter()
-    threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in targets]
+    threads = [threading.Thread(target=guarded, args=(fn, *args), daemon=True) for fn, args in targets]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     result.wall_s = time.perf_counter() - start
+    for i in range(len(trace)):
+        if i not in result.scores and i not in result.errors:
+            result.errors[i] = "not sent: " + (worker_errors[0] if worker_errors else "no client worker took it")
     result.latencies_s = [latencies[i] for i in sorted(latencies)]
     return result
 
@@ -243,7 +288,14 @@ def reference_scores(trace: list[RankingRequest], model_repository: str | Path) 
 def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path,
                  expected: list[np.ndarray] | None = None) -> float:
     """Max abs difference between the served scores and the reference scorer's (invariant 1).
-    ``expected``: ``reference_scores(trace, ...)`` when already computed."""
+    ``expected``: ``reference_scores(trace, ...)`` when already computed.
+
+    Raises CheckFailed unless every request of ``trace`` was scored: a max diff over failed or
+    missing requests (0 over none at all) would read as a pass."""
+    if result.failure is not None:
+        raise CheckFailed(result.failure)
+    if set(result.scores) != set(range(len(trace))):
+        raise CheckFailed(f"{len(result.scores)} requests scored for a trace of {len(trace)}: not this trace's run")
     if expected is None:
         from compute import load_reference
 
@@ -293,9 +345,13 @@ def main(argv: list[str] | None = None) -> int:
           f"p99 {result.percentile_ms(99):.1f} ms (concurrency {a.concurrency})")
     for i, err in list(result.errors.items())[:5]:
         print(f"  request {i}: {err}", file=sys.stderr)
-    code = 1 if result.errors else 0
+    code = 0 if result.failure is None else 1  # failed requests, or nothing scored
     if a.check:
-        worst = check_scores(trace, result, a.model_repository)
+        try:
+            worst = check_scores(trace, result, a.model_repository)
+        except CheckFailed as e:
+            print(f"check vs reference scorer: FAIL ({e})")
+            return 1
         ok = worst <= a.tolerance
         print(f"check vs reference scorer: max abs diff {worst:.2e} ({'OK' if ok else 'FAIL'}, tolerance {a.tolerance:g})")
         code = code or (0 if ok else 1)

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from compute import HSTUConfig
-from deploy.client import check_scores, reference_scores, replay
+from deploy.client import CheckFailed, check_scores, reference_scores, replay
 from deploy.launcher import LaunchConfig, Server
 from deploy.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
@@ -64,15 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         for concurrency in a.concurrency:
             for model in (ENSEMBLE, MONOLITHIC):
                 result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
-                worst = check_scores(trace, result, server.settings.model_dir, expected)
-                failed |= bool(result.errors) or worst > a.tolerance
+                try:
+                    worst, failure = check_scores(trace, result, server.settings.model_dir, expected), None
+                except CheckFailed as e:  # failed requests, or nothing scored: no max diff to speak of
+                    worst, failure = float("nan"), str(e)
+                failed |= failure is not None or worst > a.tolerance
                 report["runs"].append({"model": model, "concurrency": concurrency, "ok": len(result.scores),
                                        "errors": len(result.errors), "throughput": result.throughput,
                                        "p50_ms": result.percentile_ms(50), "p99_ms": result.percentile_ms(99),
-                                       "max_abs_diff": worst})
+                                       "max_abs_diff": worst, "failure": failure})
                 print(f"{model:<18}{concurrency:>5}{len(result.scores):>6}{len(result.errors):>8}"
                       f"{result.throughput:>9.1f}{result.percentile_ms(50):>9.1f}{result.percentile_ms(99):>9.1f}"
-                      f"{worst:>12.2e}")
+                      f"{worst:>12.2e}" + (f"  FAIL: {failure}" if failure else ""))
         print("\nKV-cache metrics:")
         report["metrics"] = cache_metrics(server.metrics_url)
         for line in report["metrics"]:

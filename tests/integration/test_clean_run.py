@@ -26,7 +26,7 @@ def test_a_clean_run_counts_no_store_errors(server):
     trace = generate(TraceConfig(num_users=4, num_requests=16, initial_events_median=40.0, seed=11))
     for model in (ENSEMBLE, MONOLITHIC):
         result = replay(trace, server.grpc_url, model=model, concurrency=2)
-        assert not result.errors, result.errors[:3]
+        assert not result.errors, list(result.errors.items())[:3]
         assert check_scores(trace, result, server.settings.model_dir) <= 1e-4
 
     errors = store_error_series(server.metrics_url)
