@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
 
 from kvlifecycle.hashing import TokenIds
 from kvlifecycle.manager import Offloader
@@ -32,12 +31,10 @@ _STOP = object()
 
 class OffloadWorker:
     def __init__(self, control, store, page_bytes: int, namespace: str, page_size: int,
-                 on_stats: Callable[[dict[str, float]], None] | None = None,
                  reap_interval_s: float = 0.005) -> None:
         self.control = control
         self.store = store
         self.page_bytes = page_bytes
-        self.on_stats = on_stats
         self.reap_interval_s = reap_interval_s
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="offload-worker", daemon=True)
@@ -61,7 +58,6 @@ class OffloadWorker:
         if self.offloader is not None:
             self.offloader.flush(flush_timeout_s)
             left = self.offloader.pending
-        self._publish()
         return left
 
     def stats(self) -> dict[str, float]:
@@ -87,7 +83,6 @@ class OffloadWorker:
                 self._put(*item)
             if self.offloader is not None:
                 self.offloader.reap()
-            self._publish()
 
     def _put(self, token_ids: TokenIds, items: list[OffloadItem]) -> None:
         if self.offloader is None:
@@ -103,10 +98,3 @@ class OffloadWorker:
 
     def _pending(self) -> bool:
         return self.offloader is not None and self.offloader.pending > 0
-
-    def _publish(self) -> None:
-        if self.on_stats is not None:
-            try:
-                self.on_stats(self.stats())
-            except Exception:
-                logger.warning("publishing offload stats failed", exc_info=True)

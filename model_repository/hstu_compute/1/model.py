@@ -7,6 +7,7 @@ tokens' KV into it. If the batch fails, each request is retried alone so one bad
 alone; a failed request's lease is aborted so its pages return at once.
 """
 import logging
+import time
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -15,6 +16,7 @@ from compute import PagedBatch, load_compiled, plan_sub_batches
 from deploy import faults, pool_handle
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
+from deploy.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient
 from kvlifecycle.pool import PagePool
 
@@ -32,6 +34,8 @@ class TritonPythonModel:
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.published_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
         self.fault = faults.compute_fault()  # test fault injection (HSTU_FAULTS); None in a deployment
+        self.stages = StageTimer()
+        self.metrics = KVMetrics(args["model_name"], stage_keys("compute"), source=self.stages.stats)
 
     def execute(self, requests):
         pool = self._attach_pool()
@@ -42,9 +46,13 @@ class TritonPythonModel:
         shapes = [(parsed[i][0].numel() + parsed[i][3].numel(), parsed[i][1] + parsed[i][0].numel()) for i in good]
         for group in plan_sub_batches(shapes):
             members = [good[j] for j in group]
+            started = time.perf_counter()
             try:
                 for i, scores in zip(members, self._score(pool, [parsed[i] for i in members])):
                     responses[i] = self._response(scores, parsed[i][4])
+                elapsed = time.perf_counter() - started
+                for _ in members:  # each request of the sub-batch spent the whole call in compute
+                    self.stages.add("compute", elapsed)
             except Exception:
                 logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
                 for i in members:
@@ -52,6 +60,7 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        self.metrics.close()
         self.control.close()
         if self.pool is not None:
             self.pool.close()

@@ -32,12 +32,10 @@ class TritonPythonModel:
         manager = self.cache.manager
         self.offloader = (Offloader(self.cache.store, manager.namespace, manager.page_size, manager.offload_done)
                           if self.cache.store is not None else None)
-        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS)
+        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS, source=self.cache.stats)
 
     def execute(self, requests):
-        responses = [self._one(request) for request in requests]
-        self.metrics.update(self.cache.stats())
-        return responses
+        return [self._one(request) for request in requests]
 
     def _one(self, request):
         manager = self.cache.manager
@@ -75,4 +73,5 @@ class TritonPythonModel:
     def finalize(self):
         if self.offloader is not None:
             self.offloader.flush(OFFLOAD_WAIT_S)
+        self.metrics.close()
         self.cache.close()

@@ -6,7 +6,6 @@ kv_offload (commits, offload completions) and hstu_compute (aborts) talk to. A b
 exhausted pool becomes an error response for that request only and changes no cache state.
 """
 import logging
-import threading
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -16,14 +15,12 @@ from deploy import pool_handle
 from deploy.cache_owner import open_kv_cache
 from deploy.settings import ServingSettings
 from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.triton_metrics import OWNER_KEYS, KVMetrics
+from deploy.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle import ops
 from kvlifecycle.control import ControlServer
 from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("kv_lookup_alloc")
-
-METRICS_INTERVAL_S = 1.0
 
 
 class TritonPythonModel:
@@ -40,18 +37,14 @@ class TritonPythonModel:
         self.handle = ops.register(self.cache.manager)
         pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
-        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS)
-        # Commits and offload completions change the pool between requests: refresh the gauges.
-        self.stop_metrics = threading.Event()
-        self.metrics_thread = threading.Thread(target=self._refresh_metrics, name="kv-metrics", daemon=True)
-        self.metrics_thread.start()
+        self.stages = StageTimer()
+        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS + stage_keys("lookup", "allocate", "onboard"),
+                                 source=lambda: {**self.cache.stats(), **self.stages.stats()})
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
 
     def execute(self, requests):
-        responses = [self._one(request) for request in requests]
-        self.metrics.update(self.cache.stats())
-        return responses
+        return [self._one(request) for request in requests]
 
     def _one(self, request):
         lease_id = None
@@ -59,12 +52,15 @@ class TritonPythonModel:
             r = read_ranking_request(request, self.config)
             tokens = history_tokens(r.item_ids, r.action_ids, self.config)
             user = torch.tensor([r.user_id], dtype=torch.int64)
-            hit = ops.lookup(self.handle, user, tokens)  # [device_tokens, host_tokens]
-            meta, page_row = ops.allocate(self.handle, user, tokens, hit, self.config.page_size,
-                                          self.settings.lease_ttl_s)  # meta: [lease_id, cached_len, onboard]
+            with self.stages.time("lookup"):
+                hit = ops.lookup(self.handle, user, tokens)  # [device_tokens, host_tokens]
+            with self.stages.time("allocate"):
+                meta, page_row = ops.allocate(self.handle, user, tokens, hit, self.config.page_size,
+                                              self.settings.lease_ttl_s)  # meta: [lease_id, cached_len, onboard]
             lease_id = int(meta[0])
-            task = ops.onboard_launch(self.handle, meta)
-            meta = ops.onboard_wait(self.handle, meta, task, self.settings.store_timeout_s * 4)
+            with self.stages.time("onboard"):
+                task = ops.onboard_launch(self.handle, meta)
+                meta = ops.onboard_wait(self.handle, meta, task, self.settings.store_timeout_s * 4)
             cached_len = int(meta[1])  # a failed onboard only shrinks cached_len
         except BadRequest as e:
             return error_response(str(e))
@@ -84,13 +80,8 @@ class TritonPythonModel:
             output_tensor("lease_id", row([lease_id])),
         ])
 
-    def _refresh_metrics(self):
-        while not self.stop_metrics.wait(METRICS_INTERVAL_S):
-            self.metrics.update(self.cache.stats())
-
     def finalize(self):
-        self.stop_metrics.set()
-        self.metrics_thread.join()
+        self.metrics.close()
         self.control.close()
         ops.unregister(self.handle)
         self.cache.close()

@@ -1,10 +1,11 @@
 """kv_offload: commit, answer, then offload off the request's critical path.
 
-Decoupled: for each request it commits the lease with the owner (kv_lookup_alloc; one local
-round trip, so the user's next request, which can only follow this answer, finds the new pages),
-sends the scores with the FINAL flag (a client, and a perf_analyzer concurrency slot, is held
-until FINAL), then hands the committed pages to the background `OffloadWorker`, which puts them
-into the host store and reaps finished puts. `finalize` (model unload, server stop) flushes: it
+For each request it commits the lease with the owner (kv_lookup_alloc; one local round trip, so
+the user's next request, which can only follow this answer, finds the new pages), answers with
+the scores, and hands the committed pages to the background `OffloadWorker`, which puts them into
+the host store and reaps finished puts after `execute` has returned. The model is not decoupled:
+the offload never ran inside `execute`, and a decoupled sender costs a synchronous round trip to
+the server per send. `finalize` (model unload, server stop) flushes: it
 waits for every pending offload before returning.
 """
 import logging
@@ -17,7 +18,7 @@ from deploy import pool_handle
 from deploy.cache_owner import open_store_client, pool_spec
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
-from deploy.triton_metrics import OFFLOAD_KEYS, KVMetrics
+from deploy.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
 
@@ -32,35 +33,39 @@ class TritonPythonModel:
         self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.config = HSTUConfig.load(self.settings.model_dir)
         self.control = ControlClient(self.settings.control_endpoint)
-        self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS)
         spec = pool_spec(self.config, self.settings)
         self.store = open_store_client(self.settings, spec.page_size)
         self.owner_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
         self.worker = OffloadWorker(self.control, self.store,
                                     page_bytes=spec.page_bytes, namespace=fingerprint(self.settings.model_dir),
-                                    page_size=spec.page_size, on_stats=self.metrics.update)
+                                    page_size=spec.page_size)
         self.worker.start()
+        self.stages = StageTimer()
+        self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS + stage_keys("commit"),
+                                 source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
+        responses, offloads = [], []
         for request in requests:
-            sender = request.get_response_sender()
-            response, items = error_response("kv_offload: internal error"), []
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
                 lease_id = int(input_tensor(request, "done_lease_id").reshape(-1)[0])
                 tokens = history_tokens(input_tensor(request, "item_ids"), input_tensor(request, "action_ids"),
                                         self.config)
-                items = self._commit(lease_id)
-                response = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores[0])])
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
-                response = error_response(f"kv_offload: {e}")
-            finally:
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                responses.append(error_response(f"kv_offload: {e}"))
+                continue
+            with self.stages.time("commit"):
+                items = self._commit(lease_id)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores[0])]))
             if items:
-                self._register_owner_pool()
-                self.worker.submit(tokens, items)
-        return None
+                offloads.append((tokens, items))
+        if offloads:
+            self._register_owner_pool()
+            for tokens, items in offloads:
+                self.worker.submit(tokens, items)  # returns at once; the worker thread offloads
+        return responses
 
     def _commit(self, lease_id: int) -> list:
         """The lease's new pages become visible; returns those to offload. A failed commit costs
@@ -91,6 +96,7 @@ class TritonPythonModel:
         if left:
             logger.warning("kv_offload: %d offloads still pending after %.0fs; their pages were not offloaded",
                            left, FLUSH_TIMEOUT_S)
+        self.metrics.close()
         if self.store is not None:
             self.store.close()
         self.control.close()
