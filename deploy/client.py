@@ -1,7 +1,7 @@
 """Clients of `hstu_ranking` (and `hstu_monolithic`): gRPC streaming and HTTP `/generate`.
 
-`hstu_ranking` is a decoupled ensemble, so Triton refuses it on HTTP `/infer` and unary gRPC;
-it answers on a gRPC bidirectional stream and on HTTP `/v2/models/<m>/generate`.
+These clients use a gRPC bidirectional stream and HTTP `/v2/models/<m>/generate`; the ensemble
+also answers plain HTTP `/infer` and unary gRPC (no step of it is decoupled).
 
     client = RankingClient("127.0.0.1:8001")            # gRPC stream
     scores = client.score(request)                       # np.ndarray [c, num_tasks]

@@ -7,7 +7,7 @@ by the models' request validators and by the clients. The public interface is th
     client -> hstu_ranking
       kv_lookup_alloc (max_batch_size 0, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
       hstu_compute    (max_batch_size > 0, dynamic batching, ragged): LOOKUP_OUTPUTS -> COMPUTE_OUTPUTS
-      kv_offload      (max_batch_size 0, decoupled): COMPUTE_OUTPUTS + item/action ids -> scores
+      kv_offload      (max_batch_size 0): COMPUTE_OUTPUTS + item/action ids -> scores
     client -> hstu_monolithic: ENSEMBLE_INPUTS -> ENSEMBLE_OUTPUTS in one call
 
 kv_lookup_alloc's outputs carry a leading dimension of 1: it is the batch dimension of the

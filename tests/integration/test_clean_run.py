@@ -32,3 +32,27 @@ def test_a_clean_run_counts_no_store_errors(server):
     errors = store_error_series(server.metrics_url)
     assert set(errors) >= {"kv_lookup_alloc", "kv_offload", "hstu_monolithic"}, f"missing series: {errors}"
     assert errors == dict.fromkeys(errors, 0.0), f"store errors on a clean run: {errors}"
+
+
+def test_the_ensemble_answers_unary_grpc_and_http_infer(server, reference):
+    """No step of the ensemble is decoupled, so plain `/infer` and unary gRPC serve it too."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    from deploy.schema import RankingRequest
+
+    request = RankingRequest(user_id=77, item_ids=[5, 9, 13, 21], action_ids=[1, 0, 2, 3], candidate_ids=[11, 12, 13])
+    expected = reference.score(request.user_id, request.item_ids, request.action_ids, request.candidate_ids)
+    for module, url in ((grpcclient, server.grpc_url), (httpclient, server.http_url)):
+        client = module.InferenceServerClient(url)
+        inputs = []
+        for name, array in request.arrays().items():
+            tensor = module.InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer(ENSEMBLE, inputs)
+        scores = result.as_numpy("scores")
+        assert scores.shape == expected.shape
+        assert np.abs(scores - expected).max() <= 1e-4, module.__name__
+        client.close()
