@@ -530,7 +530,7 @@ def run_perf_analyzer(server: Server, model: str, concurrency: int, data: Path, 
 # ---- summary ---------------------------------------------------------------------------------------
 
 def summarize(report: dict) -> dict[str, Any]:
-    """The ratios the goals are stated in (DESIGN.md, "Performance goals"), and validity warnings."""
+    """The ratios the goals are stated in (README, "Benchmarks"), and validity warnings."""
     phases = report["phases"]
     rows = []
     for point in phases.get("sweep", {}).get("points", []):

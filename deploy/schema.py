@@ -2,7 +2,7 @@
 
 Used by the config generator (`deploy/make_configs.py` writes `model_repository/*/config.pbtxt`),
 by the models' request validators and by the clients. The public interface is the ensemble's
-(DESIGN.md, "Ensemble interface"); the rest are the ensemble's internal hops.
+(README, "Call it"); the rest are the ensemble's internal hops.
 
     client -> hstu_ranking
       kv_lookup_alloc (max_batch_size 0, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
@@ -11,7 +11,7 @@ by the models' request validators and by the clients. The public interface is th
     client -> hstu_monolithic: ENSEMBLE_INPUTS -> ENSEMBLE_OUTPUTS in one call
 
 kv_lookup_alloc's outputs carry a leading dimension of 1: it is the batch dimension of the
-batched hstu_compute (DESIGN.md, "Verified facts").
+batched hstu_compute: Triton requires it of a `max_batch_size: 0` step feeding a batched one.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor in/out and error responses for the Python-backend models (imported only inside Triton).
 
 Tensors cross model boundaries by DLPack in both directions: it is zero-copy on the GPU and
-works with numpy 1 and 2 (the stub's numpy conversions break with numpy 2; DESIGN.md).
+works with numpy 1 and 2 (the stub's numpy conversions break with numpy 2, seen on the GPU host).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The KV-cache lifecycle of HSTU serving, independent of Triton (DESIGN.md, ARCHITECTURE.md).
+"""The KV-cache lifecycle of HSTU serving, independent of Triton (docs/ARCHITECTURE.md).
 
 - ``kvlifecycle.pool``: the shared device page pool (``PoolSpec``, ``PagePool``).
 - ``kvlifecycle.hashing``: the seeded page key chain (``page_keys``).

@@ -1,6 +1,6 @@
 """Content addressing of KV pages: a seeded hash chain over the token ids of a prefix.
 
-DESIGN.md invariant 2: a page's key depends on every token before it and on the namespace
+Invariant 2 of docs/ARCHITECTURE.md: a page's key depends on every token before it and on the namespace
 (a fingerprint of the model weights and config), so a rewritten history or reloaded weights
 never match a stale page.
 

@@ -13,7 +13,7 @@ Call order for one request (ARCHITECTURE.md)::
     offloader.launch(token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
 
 Promises:
-- Content addressing (DESIGN.md invariant 2): pages are found only by chain keys over the
+- Content addressing (invariant 2 of docs/ARCHITECTURE.md): pages are found only by chain keys over the
   whole prefix and the namespace (``kvlifecycle.hashing``); a changed history or namespace
   misses from the first differing page on.
 - Page safety (invariant 3) lives in ``kvlifecycle.page_table.PageTable``; this class only

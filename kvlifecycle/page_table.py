@@ -10,7 +10,7 @@ Every page of the pool is in exactly one state:
   reads it. A committed page with ``refs == 0`` is on the LRU list and may be evicted
   (returned to FREE and handed out again).
 
-Operations, in the order a request calls them (DESIGN.md invariant 3):
+Operations, in the order a request calls them (invariant 3 of docs/ARCHITECTURE.md):
 
 1. ``match_prefix(keys)``: the committed pages of the longest prefix of ``keys`` (no state
    change).

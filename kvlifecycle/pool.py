@@ -1,6 +1,6 @@
 """The device page pool: one tensor of KV pages shared by every process of a server.
 
-Layout (DESIGN.md, ARCHITECTURE.md)::
+Layout (docs/ARCHITECTURE.md)::
 
     pool.tensor: [num_layers, num_pages, 2, page_size, num_heads, head_dim]
                   K at index 0 and V at index 1 of dim 2 (as in recsys-examples)

@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 1 for the model: the paged forward over cached K/V scores exactly what the
+"""Invariant 1 (docs/ARCHITECTURE.md) for the model: the paged forward over cached K/V scores exactly what the
 stateless reference forward scores, eager and through the AOTI package, one user or many.
 
 Every pool starts full of NaN, so reading a slot that no pass wrote shows up in the scores.
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from compute import PagedBatch
 from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request
 
-TOLERANCE = 1e-4  # fp32 on CPU, DESIGN.md
+TOLERANCE = 1e-4  # fp32 on CPU, docs/ARCHITECTURE.md invariant 1
 
 
 def reference_scores(scorer, users) -> np.ndarray:
