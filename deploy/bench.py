@@ -485,6 +485,12 @@ def cache_stats(before: dict, after: dict, page_bytes: int) -> dict[str, dict[st
         if reaps:
             row["reap_latency_ms_mean"] = d("hstu_kv_reap_latency_seconds_sum", model) / reaps * 1e3
         row["store_errors"] = d("hstu_kv_store_errors_total", model)
+        for name, key_model, labels in after:  # per-request stage times (hstu_kv_stage_seconds{stage})
+            if name == "hstu_kv_stage_seconds_count" and key_model == model:
+                count = d(name, model, labels)
+                if count:
+                    stage = labels.split("=", 1)[1]
+                    row[f"stage_{stage}_ms_mean"] = d("hstu_kv_stage_seconds_sum", model, labels) / count * 1e3
         for key, value in after.items():  # gauges: the value now
             if key[1] == model and key[0] in ("hstu_kv_pages", "hstu_kv_offload_queue_depth"):
                 row[f"{key[0].removeprefix('hstu_kv_')}{'_' + key[2].split('=')[1] if key[2] else ''}_now"] = value
@@ -629,6 +635,11 @@ def format_summary(report: dict) -> str:
         rates = " ".join(f"{o} {st.get(o + '_rate', 0):.0%}" for o in ("device_hit", "host_hit", "miss"))
         lines.append(f"cache stats {model:<16} lookups {rates}; offloaded {st['offloaded_bytes'] / 2**20:.1f} MiB, "
                      f"onboarded {st['onboarded_bytes'] / 2**20:.1f} MiB, store errors {st['store_errors']:.0f}")
+    for model, st in phases.get("cache_stats", {}).get("total", {}).items():
+        stages = ", ".join(f"{k.removeprefix('stage_').removesuffix('_ms_mean')} {v:.2f}"
+                           for k, v in st.items() if k.startswith("stage_"))
+        if stages:
+            lines.append(f"stage time, mean ms per request, {model:<16} {stages}")
     for w in s["warnings"]:
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
