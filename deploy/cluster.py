@@ -14,12 +14,15 @@ every page, so stopping a server loses none.
 Order of operations:
   start: build the model once -> mooncake_master -> memory node -> N servers (in parallel;
          each a `deploy.launcher.Server` with store=mooncake) -> nginx, rendered from
-         `deploy/nginx.conf.template` -> wait until `hstu_ranking` is ready through the proxy.
+         `deploy/nginx.conf.template` (`deploy.front`, the same front as `hstu-serve --host`)
+         -> wait until `hstu_ranking` is ready through the proxy.
   stop:  nginx -> servers (each flushes its pending offloads into the tier) -> memory node ->
          master. The master goes last: a Mooncake client whose master is gone blocks for about
          100 s in its calls, so the master is never stopped while a server runs.
-Everything binds to loopback unless `host` says otherwise; every child runs in its own process
-group and is stopped with it, so a clean stop leaves no process behind.
+The proxy and Mooncake bind to loopback unless `host` says otherwise; the tritonservers always
+bind 127.0.0.1 (the proxy is their only way in: it caps what tritonserver cannot take). Every
+child runs in its own process group and is stopped with it, so a clean stop leaves no process
+behind.
 """
 from __future__ import annotations
 
@@ -27,9 +30,7 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
-import string
 import subprocess
 import sys
 import tempfile
@@ -41,20 +42,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
 from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, _tail, _terminate, _wait_for,
                              build_model)
 from deploy.settings import REPO_ROOT
 
 logger = logging.getLogger("hstu-cluster")
 
-NGINX_TEMPLATE = Path(__file__).resolve().parent / "nginx.conf.template"
 ROUTE_HEADER = "x-user-id"
+SERVER_HOST = "127.0.0.1"  # every tritonserver of the cluster: behind the proxy only
 
 
 @dataclass
 class ClusterConfig:
     num_servers: int = 2
-    host: str = "127.0.0.1"  # the proxy's and every server's address; loopback by default
+    host: str = "127.0.0.1"  # the proxy's and Mooncake's address; loopback by default (servers: always loopback)
     http_port: int = 8000  # the proxy's HTTP port (/generate)
     grpc_port: int = 8001  # the proxy's gRPC port (streams)
     base_port: int = 8100  # server i listens on base_port + 3i (HTTP), +1 (gRPC), +2 (metrics)
@@ -95,7 +97,7 @@ class Cluster:
         for i in range(config.num_servers):
             http, grpc, metrics = config.ports(i)
             self.servers.append(Server(replace(
-                config.server, host=config.host, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                config.server, host=SERVER_HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
                 store="mooncake", mooncake_master=self.master_address, mooncake_segment_bytes=0,
                 mooncake_local_hostname=config.host, run_dir=self.run_dir / f"server-{i}")))
 
@@ -171,12 +173,10 @@ class Cluster:
 
     def render_nginx_conf(self) -> str:
         c = self.config
-        line = "        server {}:{} max_fails=1 fail_timeout=10s;"
-        return string.Template(NGINX_TEMPLATE.read_text()).substitute(
-            worker_processes=1, prefix=self.nginx_dir, listen_host=c.host, grpc_port=c.grpc_port,
-            http_port=c.http_port, num_servers=c.num_servers,
-            grpc_servers="\n".join(line.format(c.host, c.ports(i)[1]) for i in range(c.num_servers)),
-            http_servers="\n".join(line.format(c.host, c.ports(i)[0]) for i in range(c.num_servers)))
+        return render_nginx_conf(
+            self.nginx_dir, c.host, c.http_port, c.grpc_port,
+            http_servers=[f"{SERVER_HOST}:{c.ports(i)[0]}" for i in range(c.num_servers)],
+            grpc_servers=[f"{SERVER_HOST}:{c.ports(i)[1]}" for i in range(c.num_servers)])
 
     def watch(self) -> list[int]:
         """One supervision step: the indexes of servers whose tritonserver has exited."""
@@ -236,18 +236,7 @@ class Cluster:
 
     def _write_nginx_conf(self) -> list[str]:
         """Render and check nginx.conf; the command that runs nginx on it."""
-        binary = shutil.which(self.config.nginx)
-        if binary is None:
-            raise RuntimeError(f"{self.config.nginx!r} not found; deploy/setup.sh installs nginx-light")
-        self.nginx_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.nginx_dir, 0o711)
-        conf = self.nginx_dir / "nginx.conf"
-        conf.write_text(self.render_nginx_conf())
-        cmd = [binary, "-p", str(self.nginx_dir), "-e", str(self.nginx_dir / "error.log"), "-c", str(conf)]
-        check = subprocess.run([*cmd, "-t"], capture_output=True, text=True)
-        if check.returncode != 0:
-            raise RuntimeError(f"nginx rejected {conf}:\n{check.stderr}")
-        return cmd
+        return write_nginx_conf(self.nginx_dir, self.render_nginx_conf(), self.config.nginx)
 
     def _start_nginx(self, cmd: list[str]) -> None:
         self.nginx = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -255,7 +244,7 @@ class Cluster:
         logger.info("nginx pid %d: gRPC %s, HTTP %s", self.nginx.pid, self.grpc_url, self.http_url)
 
     def _wait_ready(self) -> None:
-        url = f"http://{self.http_url}/v2/models/{ENSEMBLE}/ready"
+        url = f"http://{connect_host(self.config.host)}:{self.config.http_port}/v2/models/{ENSEMBLE}/ready"
         deadline = time.monotonic() + self.config.ready_timeout_s
         while time.monotonic() < deadline:
             if self.nginx.poll() is not None:
@@ -276,7 +265,8 @@ class Cluster:
 def parse_args(argv: list[str] | None = None) -> ClusterConfig:
     p = argparse.ArgumentParser(prog="hstu-cluster", description=__doc__.split("\n")[0])
     p.add_argument("--servers", type=int, default=2, help="number of tritonservers")
-    p.add_argument("--host", default="127.0.0.1", help="address everything binds to (default loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the proxy and Mooncake bind to (default loopback); tritonservers: 127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000, help="the proxy's HTTP port")
     p.add_argument("--grpc-port", type=int, default=8001, help="the proxy's gRPC port")
     p.add_argument("--base-port", type=int, default=8100,

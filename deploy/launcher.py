@@ -2,12 +2,20 @@
 
 Order of operations:
   start: build AOTI package (skipped when up to date) -> run dir (0700) -> host store process
-         -> tritonserver on `model_repository/` -> wait until `hstu_ranking` is ready.
+         -> tritonserver on `model_repository/` -> [nginx front] -> wait until `hstu_ranking`
+         is ready.
   run:   restart the host store if it dies (kv_offload and kv_lookup_alloc fail open meanwhile).
-  stop:  SIGTERM tritonserver (it unloads the models; kv_offload's finalize flushes pending
-         offloads) and wait -> SIGTERM the store (it flushes its disk write-behind queue).
+  stop:  [SIGTERM nginx] -> SIGTERM tritonserver (it unloads the models; kv_offload's finalize
+         flushes pending offloads) and wait -> SIGTERM the store (it flushes its disk write-behind
+         queue).
+Beyond loopback (`--host` neither localhost nor a loopback address), HTTP and gRPC are served by
+an nginx front on HOST (`deploy/front.py`, the same front as `hstu-cluster`'s): it caps HTTP bodies
+(tritonserver 2.51 segfaults on a form-encoded body over about 4 MB) and headers, times out slow
+clients, checks /infer and /generate bodies (deeply nested JSON also crashes tritonserver; a
+mistyped ranking input gets a 400 naming it), and refuses the administration and shared-memory
+APIs. tritonserver itself, and its metrics port, stay on 127.0.0.1.
 Children run in their own process groups and get SIGTERM if the launcher dies, so a Ctrl-C or a
-crash leaves no tritonserver, stub or store process behind.
+crash leaves no tritonserver, stub, store or nginx process behind.
 """
 from __future__ import annotations
 
@@ -20,9 +28,11 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import urllib.error
@@ -30,21 +40,33 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, ServingSettings
+from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
+                          nginx_command, render_nginx_conf, write_nginx_conf)
+from deploy.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, STORE_KINDS, ServingSettings
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 logger = logging.getLogger("hstu-serve")
 
 ENSEMBLE = "hstu_ranking"
+TRITON_HOST = "127.0.0.1"  # where tritonserver listens when the nginx front serves --host
+UNVERIFIED_STORES = {
+    "flexkv": ("kvlifecycle/store/flexkv.py is written against a guessed FlexKV API and has never run "
+               "(issue 14); hstu-serve starts no FlexKV service, and the models fail to load unless a "
+               "FlexKV build matches that guess"),
+}
 
 
 @dataclass
 class LaunchConfig:
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
-    host: str = "127.0.0.1"  # loopback by default; pass 0.0.0.0 explicitly to expose
+    host: str = "127.0.0.1"  # loopback by default; beyond loopback, the nginx front serves HTTP and gRPC
     http_port: int = 8000
     grpc_port: int = 8001
-    metrics_port: int = 8002
+    metrics_port: int = 8002  # always tritonserver's own; on 127.0.0.1 when the front serves
+    # tritonserver's own loopback ports behind the front (0: free ports picked at each start)
+    triton_http_port: int = 0
+    triton_grpc_port: int = 0
+    nginx: str = "nginx"
     device: str = "cpu"
     store: str = "embedded"
     mooncake_master: str = ""  # --store mooncake: the master's HOST:PORT (the launcher starts no store)
@@ -65,12 +87,23 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit"):
             raise ValueError(f"model_control={self.model_control!r}: expected 'none' or 'explicit'")
+        if self.store not in STORE_KINDS:
+            raise ValueError(f"store={self.store!r}: expected one of {STORE_KINDS}")
         if self.store == "mooncake" and not self.mooncake_master:
             raise ValueError("store='mooncake' needs mooncake_master (--mooncake-master HOST:PORT)")
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             if not 0 < port < 65536:
                 raise ValueError(f"{name}={port}: expected a TCP port in 1..65535")
+        for name in ("triton_http_port", "triton_grpc_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name}={port}: expected a TCP port in 1..65535, or 0 for a free one")
+
+    @property
+    def fronted(self) -> bool:
+        """True when HTTP and gRPC go through the nginx front (`host` beyond loopback)."""
+        return not is_loopback(self.host)
 
 
 class Server:
@@ -92,6 +125,11 @@ class Server:
         )
         self.triton: subprocess.Popen | None = None
         self.store: subprocess.Popen | None = None
+        self.front: subprocess.Popen | None = None  # nginx, when config.fronted
+        self.exited: tuple[str, Path] | None = None  # (name, log) of the child whose death watch() reported
+        self.triton_ports: tuple[int, int] | None = None  # tritonserver's (HTTP, gRPC) behind the front
+        if config.store in UNVERIFIED_STORES:
+            logger.warning("--store %s is UNVERIFIED (experimental): %s", config.store, UNVERIFIED_STORES[config.store])
         self._store_restarts = 0
         self._lock = threading.Lock()
 
@@ -107,7 +145,13 @@ class Server:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.config.host}:{self.config.metrics_port}/metrics"
+        host = TRITON_HOST if self.config.fronted else self.config.host
+        return f"http://{host}:{self.config.metrics_port}/metrics"
+
+    @property
+    def nginx_dir(self) -> Path:
+        """The front's nginx.conf, error.log and access.log (one line per request or gRPC stream)."""
+        return self.run_dir / "nginx"
 
     @property
     def triton_log(self) -> Path:
@@ -120,19 +164,25 @@ class Server:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
+        nginx_cmd = self._write_front_conf() if self.config.fronted else None  # fails before anything starts
         build_model(self.settings.model_dir, self.config.device, self.config.model_config)
-        if self.settings.store == "embedded":
-            self.start_store()
         try:
+            if self.settings.store == "embedded":
+                self.start_store()
             self._start_triton()
+            if nginx_cmd is not None:
+                self._start_front(nginx_cmd)
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Stop tritonserver first (models flush their offloads), then the store."""
+        """Stop the front (no new requests), then tritonserver (models flush their offloads), then the store."""
         with self._lock:
+            if self.front is not None:
+                _terminate(self.front, "nginx", 10)
+                self.front = None
             if self.triton is not None:
                 _terminate(self.triton, "tritonserver", self.config.exit_timeout_s + 10)
                 self.triton = None
@@ -166,15 +216,19 @@ class Server:
             self.store.wait()
 
     def watch(self) -> int | None:
-        """One supervision step: restart a dead store; return tritonserver's exit code if it died."""
+        """One supervision step: restart a dead store; return tritonserver's (or the front's) exit
+        code if it died (`self.exited` then names it and its log)."""
         with self._lock:
             if self.store is not None and self.store.poll() is not None:
                 self._store_restarts += 1
                 logger.warning("host store exited with %s; restarting (restart #%d)",
                                self.store.returncode, self._store_restarts)
                 self.start_store()
-            if self.triton is not None and self.triton.poll() is not None:
-                return self.triton.returncode
+            for proc, name, log in ((self.triton, "tritonserver", self.triton_log),
+                                    (self.front, "nginx", self.nginx_dir / "error.log")):
+                if proc is not None and proc.poll() is not None:
+                    self.exited = (name, log)
+                    return proc.returncode
         return None
 
     def __enter__(self) -> "Server":
@@ -197,19 +251,50 @@ class Server:
     def triton_command(self) -> list[str]:
         install = find_triton()
         c = self.config
+        if c.fronted:
+            host, (http, grpc) = TRITON_HOST, self._triton_ports()
+        else:
+            host, http, grpc = c.host, c.http_port, c.grpc_port
         cmd = [
             str(install.binary),
             f"--model-repository={c.model_repository}",
             f"--backend-directory={install.backend_dir}",
-            f"--http-address={c.host}", f"--http-port={c.http_port}",
-            f"--grpc-address={c.host}", f"--grpc-port={c.grpc_port}",
-            f"--metrics-address={c.host}", f"--metrics-port={c.metrics_port}",
+            f"--http-address={host}", f"--http-port={http}",
+            f"--grpc-address={host}", f"--grpc-port={grpc}",
+            f"--metrics-address={host}", f"--metrics-port={c.metrics_port}",
             f"--exit-timeout-secs={c.exit_timeout_s}",
             "--log-verbose=0",
         ]
         if c.model_control == "explicit":
             cmd += ["--model-control-mode=explicit", "--load-model=*"]
         return cmd
+
+    def front_conf(self) -> str:
+        """The front's nginx.conf: HOST:http_port and :grpc_port -> tritonserver on 127.0.0.1."""
+        c = self.config
+        http, grpc = self._triton_ports()
+        return render_nginx_conf(self.nginx_dir, c.host, c.http_port, c.grpc_port,
+                                 http_servers=[f"{TRITON_HOST}:{http}"], grpc_servers=[f"{TRITON_HOST}:{grpc}"])
+
+    def _triton_ports(self) -> tuple[int, int]:
+        """tritonserver's HTTP and gRPC ports behind the front (configured, or free ones picked once)."""
+        if self.triton_ports is None:
+            c = self.config
+            free = iter(_free_ports(2))
+            self.triton_ports = (c.triton_http_port or next(free), c.triton_grpc_port or next(free))
+        return self.triton_ports
+
+    def _write_front_conf(self) -> list[str]:
+        if not (self.config.triton_http_port and self.config.triton_grpc_port):
+            self.triton_ports = None  # free ports picked again: the last ones may be taken now
+        return write_nginx_conf(self.nginx_dir, self.front_conf(), self.config.nginx)
+
+    def _start_front(self, cmd: list[str]) -> None:
+        self.front = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_ROOT,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+        c = self.config
+        logger.info("nginx front pid %d on %s (HTTP %d, gRPC %d) -> tritonserver on %s:%d/%d",
+                    self.front.pid, c.host, c.http_port, c.grpc_port, TRITON_HOST, *self._triton_ports())
 
     def environment(self) -> dict[str, str]:
         install = find_triton()
@@ -228,12 +313,17 @@ class Server:
                                        cwd=REPO_ROOT, start_new_session=True, preexec_fn=_die_with_parent)
 
     def _wait_ready(self) -> None:
-        url = f"http://{self.http_url}/v2/models/{ENSEMBLE}/ready"
+        """Until `hstu_ranking` is ready, asked through the front when there is one."""
+        url = f"http://{connect_host(self.config.host)}:{self.config.http_port}/v2/models/{ENSEMBLE}/ready"
         deadline = time.monotonic() + self.config.ready_timeout_s
         while time.monotonic() < deadline:
             if self.triton.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.triton.returncode} before "
                                    f"{ENSEMBLE} was ready; log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+            if self.front is not None and self.front.poll() is not None:
+                log = self.nginx_dir / "error.log"
+                raise RuntimeError(f"nginx exited with {self.front.returncode} before {ENSEMBLE} was ready; "
+                                   f"log tail ({log}):\n{_tail(log)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -264,6 +354,18 @@ def _model_dir_for(model_config: Path | None) -> Path:
         return DEFAULT_MODEL_DIR
     digest = hashlib.sha256(Path(model_config).read_bytes()).hexdigest()[:16]
     return REPO_ROOT / ".cache" / "models" / digest
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free on loopback now (bound, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((TRITON_HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _die_with_parent() -> None:
@@ -315,15 +417,49 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 
+EPILOG = f"""\
+beyond loopback (--host neither localhost nor a loopback address such as 127.0.0.1 or ::1):
+  an nginx front (deploy/nginx.conf.template, the same as hstu-cluster's; deploy/setup.sh
+  installs nginx-light) listens on HOST:--http-port and HOST:--grpc-port and forwards to
+  tritonserver on 127.0.0.1 (--triton-http-port, --triton-grpc-port). tritonserver 2.51 has
+  no request limits and crashes on some bodies; the front answers
+  - 413 to an HTTP body over {human_size(MAX_BODY_SIZE)} (tritonserver segfaults on a form-encoded body
+    over about 4 MB);
+  - 400 to an /infer or /generate body that is not a JSON object nested at most {MAX_JSON_DEPTH}
+    deep (tritonserver segfaults on an input's data nested ~100,000 lists deep), and 400
+    naming the input to a ranking input of the wrong JSON type (tritonserver: 500, no name);
+  - 400 to a header line over {human_size(MAX_HEADER_SIZE)}; it drops clients that stall (request header
+    10 s, HTTP body 30 s; a gRPC stream may idle 1 h);
+  - 403 to the administration and shared-memory APIs (HTTP and gRPC).
+  gRPC messages are not size-capped (nginx can only cap a whole stream of requests). The
+  metrics port stays on 127.0.0.1: scrape it on the host or forward it. nginx's config and
+  logs are in RUN_DIR/nginx/. Ctrl-C stops nginx, then tritonserver, then the store.
+
+{textwrap.fill("--store flexkv is UNVERIFIED (experimental): " + UNVERIFIED_STORES["flexkv"] + ". Choosing it "
+                "logs a warning.", 92)}
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="hstu-serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="hstu-serve", description=__doc__.split("\n")[0], epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
-    p.add_argument("--host", default="127.0.0.1", help="address all endpoints bind to (default loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address HTTP and gRPC are served on (default 127.0.0.1). Beyond loopback they are "
+                        "served by an nginx front (see below) and tritonserver stays on 127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--metrics-port", type=int, default=8002,
+                   help="tritonserver's Prometheus metrics (on 127.0.0.1 when the front serves --host)")
+    p.add_argument("--triton-http-port", type=int, default=0,
+                   help="with the front: tritonserver's own HTTP port on 127.0.0.1 (default: a free port)")
+    p.add_argument("--triton-grpc-port", type=int, default=0,
+                   help="with the front: tritonserver's own gRPC port on 127.0.0.1 (default: a free port)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--store", choices=["embedded", "none", "mooncake"], default="embedded")
+    p.add_argument("--store", choices=STORE_KINDS, default="embedded",
+                   help="host KV tier: embedded (our store process, started here), mooncake (a running "
+                        "Mooncake master), none (the device cache alone), flexkv (UNVERIFIED, experimental: "
+                        "never run; see below)")
     p.add_argument("--mooncake-master", default="", metavar="HOST:PORT",
                    help="--store mooncake: the running mooncake_master every server shares")
     p.add_argument("--mooncake-segment-bytes", type=int, default=256 << 20,
@@ -343,7 +479,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     if a.store == "mooncake" and not a.mooncake_master:
         p.error("--store mooncake needs --mooncake-master HOST:PORT (a running mooncake_master)")
     cfg = LaunchConfig(model_repository=a.model_repository.resolve(), host=a.host, http_port=a.http_port,
-                       grpc_port=a.grpc_port, metrics_port=a.metrics_port, device=a.device, store=a.store,
+                       grpc_port=a.grpc_port, metrics_port=a.metrics_port, triton_http_port=a.triton_http_port,
+                       triton_grpc_port=a.triton_grpc_port, device=a.device, store=a.store,
                        mooncake_master=a.mooncake_master, mooncake_segment_bytes=a.mooncake_segment_bytes,
                        mooncake_local_hostname=a.mooncake_local_hostname,
                        model_config=a.model_config, pool_pages=a.pool_pages,
@@ -354,8 +491,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
 
 def print_env(server: Server) -> None:
     """Print a bash recipe that starts what `hstu-serve` starts, by hand, exactly as printed: the
-    environment, the run directory, the store (with every argument it needs, then a wait until
-    its socket is up, so kv_lookup_alloc finds it at load) and tritonserver."""
+    environment, the run directory, the nginx front beyond loopback, the store (with every argument
+    it needs, then a wait until its socket is up, so kv_lookup_alloc finds it at load) and
+    tritonserver."""
     env = server.environment()
     settings = server.settings
     print("# hstu-serve by hand (bash). PATH and LD_LIBRARY_PATH alone serve too: without the HSTU_*")
@@ -363,6 +501,16 @@ def print_env(server: Server) -> None:
     for k in ["PATH", "LD_LIBRARY_PATH", *settings.to_env()]:
         print(f"export {k}={shlex.quote(env[k])}")
     print(f"mkdir -p -m 700 {shlex.quote(str(server.run_dir))}")
+    if server.config.fronted:
+        nginx = shutil.which(server.config.nginx) or server.config.nginx
+        conf = server.nginx_dir / "nginx.conf"
+        print(f"# the nginx front on {server.config.host} (tritonserver below stays on {TRITON_HOST})")
+        print(f"mkdir -p -m 711 {shlex.quote(str(server.nginx_dir))}")
+        print(f"cat > {shlex.quote(str(conf))} <<'HSTU_NGINX_CONF'")
+        print(server.front_conf(), end="")
+        print("HSTU_NGINX_CONF")
+        print(f"{shlex.join(nginx_command(nginx, server.nginx_dir))} &")
+        print("front=$!")
     if settings.store == "embedded":
         sock = shlex.quote(settings.store_endpoint.removeprefix("ipc://"))
         print(f"rm -f {sock}  # a killed store's socket would end the wait below at once")
@@ -373,6 +521,8 @@ def print_env(server: Server) -> None:
     print(shlex.join(server.triton_command()))
     if settings.store == "embedded":
         print("kill $!  # tritonserver has stopped (its offloads flushed): stop the store")
+    if server.config.fronted:
+        print("kill $front  # and the nginx front")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,15 +538,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         server.start()
-        print(json.dumps({"grpc": server.grpc_url, "http": f"http://{server.http_url}",
-                          "metrics": server.metrics_url, "model": ENSEMBLE,
-                          "baseline": "hstu_monolithic", "logs": str(server.run_dir)}), flush=True)
+        endpoints = {"grpc": server.grpc_url, "http": f"http://{server.http_url}",
+                     "metrics": server.metrics_url, "model": ENSEMBLE,
+                     "baseline": "hstu_monolithic", "logs": str(server.run_dir)}
+        if server.front is not None:
+            http, grpc = server.triton_ports
+            endpoints["front"] = {"nginx_pid": server.front.pid, "logs": str(server.nginx_dir),
+                                  "tritonserver": {"http": f"{TRITON_HOST}:{http}", "grpc": f"{TRITON_HOST}:{grpc}"}}
+        print(json.dumps(endpoints), flush=True)
         print(f"hstu-serve: serving {ENSEMBLE}; Ctrl-C to stop", flush=True)
         code = None
         while not stop.wait(1.0):
             code = server.watch()
             if code is not None:
-                logger.error("tritonserver exited with %s; log tail:\n%s", code, _tail(server.triton_log))
+                name, log = server.exited
+                logger.error("%s exited with %s; log tail (%s):\n%s", name, code, log, _tail(log))
                 break
         return 0 if code is None else 1
     finally:

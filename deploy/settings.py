@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_DIR = DEFAULT_MODEL_REPOSITORY / "hstu_compute" / "1"
-STORE_KINDS = ("embedded", "none", "mooncake", "flexkv")
 DEVICES = ("cpu", "cuda")
 
 _PREFIX = "HSTU_"
