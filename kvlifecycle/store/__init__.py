@@ -43,7 +43,8 @@ Backends (``open_store(kind, **cfg)``):
   that only offloads another process's pool passes that owner's published handle).
 - ``mooncake``: Mooncake Store (``mooncake-transfer-engine``), pages as objects keyed by the
   hex chain key; copies happen in the calling process (``mooncake.py``).
-- ``flexkv``: FlexKV's ``KVManager`` when ``import flexkv`` works (FlexKV is not on PyPI).
+- ``flexkv``: UNVERIFIED. An adapter to FlexKV's ``KVManager`` written against a guessed API
+  that has never run against a built FlexKV (FlexKV is not on PyPI); see the README.
 - ``none``: holds nothing; matches are empty, puts succeed and are dropped, gets NOTFOUND.
 """
 

@@ -24,7 +24,8 @@ logger = logging.getLogger("kvlifecycle.store")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvlifecycle.store", description=__doc__.splitlines()[0])
     p.add_argument("--endpoint", required=True, help="ipc://PATH (directory made 0700) or tcp://HOST:PORT")
-    p.add_argument("--dram-bytes", type=int, required=True, help="DRAM tier capacity in bytes")
+    p.add_argument("--dram-bytes", type=int, default=ServerConfig.dram_bytes,
+                   help="DRAM tier capacity in bytes (default: %(default)s)")
     p.add_argument("--pool-handle", help="PagePool.handle() as JSON, or a file holding it (may appear "
                    "later); clients can also send it with register_pool")
     p.add_argument("--disk-dir", type=Path, help="enable the disk tier in this directory")

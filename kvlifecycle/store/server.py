@@ -68,7 +68,7 @@ _DONE_TASK_TTL_S = 300.0  # a finished task nobody polled is forgotten after thi
 @dataclass
 class ServerConfig:
     endpoint: str
-    dram_bytes: int
+    dram_bytes: int = 2 << 30  # the DRAM tier: 2 GiB, hstu-serve's default too
     disk_dir: Path | None = None
     disk_bytes: int = 0  # 0: unbounded
     pool_handle: dict[str, Any] | Path | None = None  # a handle, or a file holding one
