@@ -1,27 +1,81 @@
-"""Shared fixtures: a real tritonserver (through the launcher) on free loopback ports."""
+"""Shared fixtures: a real tritonserver (through the launcher) on free loopback ports.
+
+Ports: `free_ports` picks ports that are free now, at random below the kernel's ephemeral port
+range, so that no outgoing connection of this machine (a test's client, a store client) is given
+one of them before the server binds it. Another process may still bind one first: `LocalServer`
+then starts again on new ports (tritonserver exits with "... already in use"), and checks that
+the server it reached is its own tritonserver listening on its ports.
+"""
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 from deploy.launcher import LaunchConfig, Server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+PORT_ATTEMPTS = 3  # starts of one server on fresh ports before a port clash fails the test
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (bound then released; good enough for tests)."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """n distinct TCP ports free on loopback now, below the ephemeral range (see the module docstring)."""
+    high = _ephemeral_floor() - 1
+    low = 10_000 if high > 12_000 else 1_024
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(low, high)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
+
+
+class LocalServer(Server):
+    """`Server` whose `start()` moves to fresh ports when tritonserver could not bind one, and
+    checks that the ready server is its own tritonserver (not another process on a reused port)."""
+
+    def start(self) -> None:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                super().start()
+            except RuntimeError as e:  # "tritonserver exited with 1 before ...", with the log tail
+                if "already in use" not in str(e) or attempt == PORT_ATTEMPTS:
+                    raise
+                self._new_ports()
+                continue
+            foreign = self._ports_not_listened_by_triton()
+            if not foreign:
+                return
+            self.stop()
+            if attempt == PORT_ATTEMPTS:
+                raise RuntimeError(f"tritonserver pid does not listen on port(s) {foreign} after {attempt} starts")
+            self._new_ports()
+
+    def _new_ports(self) -> None:
+        self.config.http_port, self.config.grpc_port, self.config.metrics_port = free_ports(3)
+
+    def _ports_not_listened_by_triton(self) -> list[int]:
+        c = self.config
+        listening = {conn.laddr.port for conn in psutil.Process(self.triton.pid).net_connections(kind="inet")
+                     if conn.status == psutil.CONN_LISTEN}
+        return [p for p in (c.http_port, c.grpc_port, c.metrics_port) if p not in listening]
 
 
 def launch_config(tmp_path: Path, **overrides) -> LaunchConfig:
@@ -32,12 +86,18 @@ def launch_config(tmp_path: Path, **overrides) -> LaunchConfig:
     return LaunchConfig(**kwargs)
 
 
+def start_server(tmp_path: Path, **overrides) -> LocalServer:
+    """A started server (host store + tritonserver) on free ports; the caller stops it."""
+    srv = LocalServer(launch_config(tmp_path, **overrides))
+    srv.start()  # stops what it started when it fails
+    return srv
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     """One tritonserver + host store for the whole session (explicit model control), always stopped."""
-    srv = Server(launch_config(tmp_path_factory.mktemp("server"), model_control="explicit"))
+    srv = start_server(tmp_path_factory.mktemp("server"), model_control="explicit")
     try:
-        srv.start()
         yield srv
     finally:
         srv.stop()

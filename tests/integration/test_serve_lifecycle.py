@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT, free_ports
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,9 +43,17 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
         assert launcher.wait(timeout=120) == 0
 
         # Check: every process of the tree is gone.
-        time.sleep(0.5)
-        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+        def alive() -> list[psutil.Process]:
+            left = []
+            for p in tree:
+                try:
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        left.append(p)
+                except psutil.NoSuchProcess:
+                    pass
+            return left
+
+        wait_for(lambda: not alive(), 10, lambda: f"every process to exit; left: {[(p.pid, p.name()) for p in alive()]}")
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -5,7 +5,6 @@ monolithic baseline's pool, and kv_offload putting from the ensemble's pool)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -17,6 +16,9 @@ from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.embedded import EmbeddedStoreClient, start_store_process
 from kvlifecycle.store.protocol import pool_id
 
+from tests.helpers import wait_for
+
+from .conftest import run_child
 from .test_store_harness import NS, SPEC, fill_random, slots, tokens
 
 SENTINEL = 7.0  # pool B's initial content: any write a test did not expect shows up
@@ -37,18 +39,14 @@ def _client(endpoint: str, **cfg: Any) -> EmbeddedStoreClient:
     return client
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_client_copies_to_and_from_its_own_pool(endpoint, store_proc, device):
     spec = dataclasses.replace(SPEC, device=device)
     with PagePool.create(spec) as pool_a, PagePool.create(spec) as pool_b:
-        assert pool_id(pool_a.handle()) == pool_id(pool_a.handle()), "one pool, one id (CUDA re-exports too)"
+        # One pool, one id in every process: the store server and kv_offload name the owner's pool
+        # from the handle they were given (on CUDA each handle() is a fresh IPC export).
+        elsewhere = run_child("child_pool_id.py", {"handle": pool_a.handle()})
+        assert elsewhere == dict.fromkeys(["of_handle", "of_attached"], pool_id(pool_a.handle())), elsewhere
         assert pool_id(pool_a.handle()) != pool_id(pool_b.handle())
         pool_b.tensor.fill_(SENTINEL)
         offloader = _client(endpoint, pool_handle=pool_a.handle())  # kv_offload: puts only, never registers
@@ -144,7 +142,7 @@ def test_another_geometry_is_refused_until_the_pools_of_the_old_one_are_gone(end
             assert client.server_stats()["pools"] == 1
 
             pool_a.close()  # the creator unlinks its file: the store detaches it at housekeeping
-            _wait_for(lambda: client.server_stats()["pools"] == 0, 5.0, "pool A detached")
+            wait_for(lambda: client.server_stats()["pools"] == 0, 5.0, "pool A detached")
             assert client.register_pool(other.handle()), "no pool of the old geometry is left"
             expected = fill_random_spec(other, [2], seed=3)
             put = client.put_async(tokens(1), slots([2]), NS)

@@ -135,17 +135,26 @@ def test_disk_tier_survives_restart_and_a_corrupt_page_is_a_miss(endpoint, tmp_p
 
 
 def test_task_in_flight_when_the_store_dies_times_out_then_fails(endpoint):
+    """A task sent to a store that then died is in flight (TIMEOUT) until the store could no longer
+    start it (start_by = task_start_timeout_s after sending, plus a grace for a copy that had just
+    started), and FAILED from then on: never earlier, so its pages cannot be reused too soon."""
+    start_timeout_s, grace_s = 0.5, 1.0
     with PagePool.create(SPEC) as pool:
         proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle(),
                                    extra_args=["--debug-copy-delay-s", "5"])
         try:
             store = open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
-                               task_start_timeout_s=0.5, retry_interval_s=0.1)
+                               task_start_timeout_s=start_timeout_s, retry_interval_s=0.1)
+            called = time.monotonic()
             put = store.put_async(tokens(1), slots([1]), NS)
             proc.kill()
-            assert store.wait([put], timeout_s=0.2) == {put: Status.TIMEOUT}
-            time.sleep(1.6)  # past start_by + grace: the store can no longer start it
-            assert store.wait([put], timeout_s=1.0) == {put: Status.FAILED}
+            seen = []
+            while not seen or seen[-1][1] is Status.TIMEOUT:
+                status = store.wait([put], timeout_s=0.2)[put]
+                seen.append((round(time.monotonic() - called, 2), status))
+                assert seen[-1][0] < 30, f"still not FAILED 30 s after the store died: {seen}"
+            assert seen[-1][1] is Status.FAILED, seen
+            assert seen[-1][0] >= start_timeout_s + grace_s, f"FAILED while the store could still start it: {seen}"
             assert store.stats()["outages"] == 1, "one outage, counted once"
             store.close()
         finally:

@@ -13,6 +13,9 @@
   returned, every offload reaped) and returns the owner's stats.
 - `kv_metrics(server)`: the KV series of the metrics port that bad input must not change.
 - `fire_together(url, requests)`: one stream per request, all released at once (batching, races).
+- `send_in_order(server, groups)`: groups of requests sent one after the other, each once
+  kv_lookup_alloc answered the ones before it, so hstu_compute queues them in that order;
+  `could_run_alone(batch_sizes, position)` reads Triton's batch statistics of such a run.
 - `Load(url, requests, concurrency)`: background closed-loop load with progress, for faults mid-load.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +34,11 @@ import pytest
 from compute import HSTUConfig
 from deploy.client import RankingClient
 from deploy.launcher import Server, build_model
-from deploy.schema import RankingRequest
+from deploy.schema import COMPUTE, RankingRequest
 from kvlifecycle.control import ControlClient
 from kvlifecycle.store import open_store
-from tests.conftest import launch_config
-from tests.integration.test_ensemble import metric
+from tests.conftest import LocalServer, launch_config
+from tests.helpers import ModelStats, metric, wait_for
 
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
 FAULT_POOL_PAGES = 384
@@ -65,7 +69,7 @@ class _EarlyStart:
     def begin(cls) -> None:
         if cls.server is not None or not cls.wanted:
             return
-        cls.server = Server(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
+        cls.server = LocalServer(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
         # Build (or check) the model here, so two servers starting at once never build it together.
         build_model(cls.server.settings.model_dir, cls.server.config.device, cls.server.config.model_config)
         cls.thread = threading.Thread(target=cls._run, name="fault-server", daemon=True)
@@ -150,11 +154,23 @@ def kv_metrics(server: Server) -> dict[str, float]:
     return {f"{name}{labels}": metric(server, name, model=LOOKUP, **labels) for name, labels in KV_SERIES}
 
 
-def settled_kv_metrics(server: Server) -> dict[str, float]:
-    """`kv_metrics` once the pool is drained and the gauges (refreshed every second) agree."""
+def settled_kv_metrics(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
+    """`kv_metrics` once the pool is drained and the metrics port shows the owner's page table
+    (the gauges are refreshed every second)."""
     wait_drained(server)
-    time.sleep(1.5)
-    return kv_metrics(server)
+    return wait_for(lambda: metrics_agree_with_owner(server), timeout_s,
+                    lambda: f"the metrics port to show the owner's stats {owner_stats(server)}: {kv_metrics(server)}")
+
+
+def metrics_agree_with_owner(server: Server) -> dict[str, float] | None:
+    """`kv_metrics` when every series equals the owner's counter of the same name (exact, read over
+    the control socket), else None."""
+    shown, stats = kv_metrics(server), owner_stats(server)
+    for name, labels in KV_SERIES:
+        key = f"pages_{labels['state']}" if "state" in labels else f"lookups_{labels['outcome']}"
+        if shown[f"{name}{labels}"] != stats[key]:
+            return None
+    return shown
 
 
 def check_scores(reference, request: RankingRequest, served: np.ndarray, what: str = "") -> None:
@@ -210,6 +226,67 @@ def fire_together(url: str, requests: list[RankingRequest], timeout_s: float = 1
         for c in clients:
             c.close()
     return out
+
+
+BLOCKER_EVENTS = 2048  # a fresh max-length history: ~0.7 s of hstu_compute on 2 CPU cores, 128 pages
+
+
+def blocker(user_id: int, seed: int = 0) -> RankingRequest:
+    """A request that keeps hstu_compute busy while requests sent after it queue up behind it."""
+    return history(user_id, BLOCKER_EVENTS, candidates=4, seed=seed)
+
+
+def send_in_order(server: Server, groups: list[list[RankingRequest]], timeout_s: float = 180.0) -> list:
+    """Send `groups` of requests, each request on its own stream; a group goes out once
+    kv_lookup_alloc (one instance, one request at a time) answered every request sent before it,
+    so hstu_compute's queue holds the groups in this order. Returns each request's scores or the
+    exception it raised, flattened in order."""
+    requests = [r for group in groups for r in group]
+    out: list = [None] * len(requests)
+    clients = [RankingClient(server.grpc_url, timeout_s=timeout_s) for _ in requests]
+
+    def one(i: int) -> None:
+        try:
+            out[i] = clients[i].score(requests[i])
+        except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
+            out[i] = e
+
+    def answered() -> int:
+        s = ModelStats.read(server, LOOKUP)
+        return s.success + s.fail
+
+    lookups = answered()
+    threads, sent = [], 0
+    try:
+        for group in groups:
+            for _ in group:
+                threads.append(threading.Thread(target=one, args=(sent,)))
+                threads[-1].start()
+                sent += 1
+            wait_for(lambda: answered() >= lookups + sent, timeout_s, f"kv_lookup_alloc to answer {sent} requests",
+                     interval_s=0.01)
+        for t in threads:
+            t.join(timeout_s + 30)
+        assert not any(t.is_alive() for t in threads), "a client thread hung"
+    finally:
+        for c in clients:
+            c.close()
+    return out
+
+
+def could_run_alone(batch_sizes: Counter, position: int) -> bool:
+    """Whether the request at `position` (0-based) of requests a model ran in queue order, in
+    batches of these sizes (Triton's batch statistics: size -> executions; their order is not
+    known), may have been alone in its batch: then batches holding exactly `position` requests
+    ran before it."""
+    sizes = list(batch_sizes.elements())
+    if 1 not in sizes:
+        return False
+    sizes.remove(1)
+    before = {0}  # request counts that some of the other batches add up to
+    for size in sizes:
+        before |= {n + size for n in before}
+    return position in before
 
 
 class Load:

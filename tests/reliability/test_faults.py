@@ -5,16 +5,17 @@ On the session `server`:
 - two concurrent requests for the same user: both correct.
 
 On `fault_server` (small pool, fault injection):
-- hstu_compute raising on one request (test fault injection, `deploy/faults.py`): that request
-  fails, its lease is aborted (pages back at once, not by expiry), its batch-mates are correct;
+- hstu_compute raising on one request (test fault injection, `deploy/faults.py`) that shares a
+  dynamic batch with good ones: that request fails, its lease is aborted (pages back at once, not
+  by expiry), its batch-mates are correct;
 - the host store killed mid-load: requests keep being served correctly (recompute), store errors
   are counted, and the restarted store is reconnected (offloads and host hits again);
 - the host store slow (`--debug-copy-delay-s`): an onboard times out and is recomputed, no hang;
-- the pool exhausted by concurrent long requests: "pool exhausted" or correct scores, never a hang.
+- the pool exhausted by concurrent long requests (while hstu_compute is busy, so none can commit
+  and free room): "pool exhausted" or correct scores, never a hang.
 """
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 import time
@@ -25,14 +26,14 @@ import tritonclient.grpc as grpcclient
 
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.schema import ENSEMBLE, RankingRequest
+from deploy.schema import COMPUTE, ENSEMBLE, RankingRequest
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
-from tests.integration.test_ensemble import metric
-from tests.reliability.conftest import (FAULT_CANDIDATE, LOOKUP, Load, check_scores, evict_from_device,
-                                        fire_together, history, owner_stats, register_pool, store_errors,
-                                        wait_drained,
-                                        without_fault_candidate)
+from tests.helpers import ModelStats, metric, wait_for
+from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP, Load, blocker,
+                                        check_scores, could_run_alone, evict_from_device, fire_together, history,
+                                        owner_stats, register_pool, send_in_order, settled_kv_metrics,
+                                        store_errors, wait_drained, without_fault_candidate)
 
 pytestmark = pytest.mark.integration
 
@@ -106,24 +107,41 @@ def test_two_concurrent_requests_for_the_same_user_are_both_correct(server: Serv
 
 def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fault_server: Server,
                                                                               reference) -> None:
-    for round_ in range(2):
+    """The failing request shares a dynamic batch with good ones of its size: a long request keeps
+    hstu_compute busy while a good request, the failing one and four more good ones queue behind
+    it, in that order. Triton runs them in queue order; from its batch statistics the failing one
+    (third in the queue) cannot have run alone, so it ran with the good one before or after it,
+    and hstu_compute's sub-batches (requests of similar size) kept them together. A round whose
+    batch sizes leave that open proves nothing and is repeated with new users."""
+    shared_rounds = []
+    for round_ in range(4):
         before = wait_drained(fault_server)
-        good = [history(1000 + 10 * round_ + i, 150 + 40 * i, seed=round_) for i in range(5)]
+        compute_before = ModelStats.read(fault_server, COMPUTE)
+        long = blocker(1090 + round_, seed=round_)
+        good = [history(1000 + 10 * round_ + i, 150, seed=round_) for i in range(5)]
         bad = history(1099, 150, seed=round_)
         bad = RankingRequest(bad.user_id, bad.item_ids, bad.action_ids, [*bad.candidate_ids[:4], FAULT_CANDIDATE])
 
-        outcomes = fire_together(fault_server.grpc_url, [*good[:3], bad, *good[3:]])
+        outcomes = send_in_order(fault_server, [[long], good[:1], [bad], good[1:]])
 
-        failed = outcomes.pop(3)
+        batches = ModelStats.read(fault_server, COMPUTE) - compute_before
+        assert batches.inferences == 7, batches
+        failed = outcomes.pop(2)
         assert isinstance(failed, RequestFailed) and "injected fault" in str(failed), repr(failed)
-        for request, scores in zip(good, outcomes):
+        for request, scores in zip([long, *good], outcomes):
             assert isinstance(scores, np.ndarray), f"user {request.user_id}: {scores!r}"
             check_scores(reference, request, scores, what=f"round {round_} batch-mate of the failed request,")
         after = wait_drained(fault_server)
         assert after["aborts"] > before["aborts"], "the failed request's lease was not aborted"
         assert after["leases_expired"] == before["leases_expired"], "pages came back by expiry, not by abort"
-    time.sleep(1.5)  # the metrics port shows the same baseline
-    assert metric(fault_server, "hstu_kv_pages", model=LOOKUP, state="leased") == 0
+        print(f"round {round_}: hstu_compute batch sizes {dict(batches.batches)}")
+        if not could_run_alone(batches.batches, position=2):
+            shared_rounds.append(round_)
+        if len(shared_rounds) == 2:
+            break
+    assert len(shared_rounds) == 2, f"the failing request shared a batch provably in rounds {shared_rounds} only"
+    settled_kv_metrics(fault_server)  # the metrics port shows the owner's page table ...
+    assert metric(fault_server, "hstu_kv_pages", model=LOOKUP, state="leased") == 0  # ... at the same baseline
     assert metric(fault_server, "hstu_kv_pages", model=LOOKUP, state="pinned") == 0
 
 
@@ -142,34 +160,37 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
     for i, outcome in sorted(results.items()):
         assert isinstance(outcome, np.ndarray), f"request {i} failed while the store was killed: {outcome!r}"
         check_scores(reference, trace[i], outcome, what=f"request {i}")
-    time.sleep(1.5)
-    assert store_errors(fault_server) > errors_before, "store outage not counted in hstu_kv_store_errors_total"
+    wait_for(lambda: store_errors(fault_server) > errors_before, 30,
+             "the store outage to be counted in hstu_kv_store_errors_total")
 
     # Reconnected by itself: a new user's pages reach the restarted store (no test help: the
     # models' store clients re-register the pool when the store answers NO_POOL).
     with RankingClient(fault_server.grpc_url) as client:
         offloaded = metric(fault_server, "hstu_kv_offloaded_pages_total")
-        probing = time.monotonic()
-        for k in itertools.count():
-            user = history(2000 + k, 300, seed=1)
-            check_scores(reference, user, client.score(user), what="after the store restart,")
+        probes: list[RankingRequest] = []
+
+        def probe_reaches_the_store() -> bool:
+            probes.append(history(2000 + len(probes), 300, seed=1))
+            check_scores(reference, probes[-1], client.score(probes[-1]), what="after the store restart,")
             wait_drained(fault_server)
-            time.sleep(1.2)
-            if metric(fault_server, "hstu_kv_offloaded_pages_total") > offloaded:
-                break
-            assert time.monotonic() - probing < 180, "no offload reached the restarted store within 180 s"
-        print(f"store killed mid-load: {k + 1} probe request(s) over {time.monotonic() - probing:.1f}s until "
+            return metric(fault_server, "hstu_kv_offloaded_pages_total") > offloaded
+
+        probing = time.monotonic()
+        wait_for(probe_reaches_the_store, 180, "an offload to reach the restarted store", interval_s=1.0)
+        print(f"store killed mid-load: {len(probes)} probe request(s) over {time.monotonic() - probing:.1f}s until "
               "an offload reached the restarted store")
         # ... and come back as host hits, with no store errors any more.
+        user = probes[-1]
         errors = store_errors(fault_server)
-        host_hits = metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit")
-        onboarded = metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP)
+        before = owner_stats(fault_server)
         evict_from_device(client, first_user=2100)
         check_scores(reference, user, client.score(user), what="host hit after the store restart,")
-    wait_drained(fault_server)
-    time.sleep(1.5)
-    assert metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit") > host_hits
-    assert metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP) > onboarded
+    after = wait_drained(fault_server)
+    assert after["lookups_host_hit"] > before["lookups_host_hit"], "no host hit after the store restart"
+    assert after["onboarded_pages"] > before["onboarded_pages"], "nothing onboarded after the store restart"
+    wait_for(lambda: (metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP) == after["onboarded_pages"]
+                      and metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit")
+                      == after["lookups_host_hit"]), 30, "the metrics port to show the host hits and onboarded pages")
     assert store_errors(fault_server) == errors, "store errors still growing after the store came back"
 
 
@@ -207,13 +228,22 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Se
 
 def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(fault_server: Server,
                                                                                reference) -> None:
-    wait_drained(fault_server)
+    """A long request (128 pages) keeps hstu_compute busy (about 0.7 s) while 10 requests of 64
+    pages each pass kv_lookup_alloc (a few ms each): none of them can commit (and make its pages
+    evictable) before the long one is done, and at most 4 fit in the 256 pages it leaves of 384:
+    the pool is exhausted, and the refused requests say so."""
+    wait_drained(fault_server)  # nothing leased or pinned: every other page is free or evictable
     exhausted_before = owner_stats(fault_server)["pool_exhausted"]
-    # 64 pages each, 10 at once, on a pool of 384 pages.
+    long = blocker(4099, seed=3)
     requests = [history(4000 + i, 1024, candidates=8, seed=3) for i in range(10)]
+
+    outcomes = send_in_order(fault_server, [[long], requests])
+
+    assert isinstance(outcomes[0], np.ndarray), f"the long request: {outcomes[0]!r}"
+    check_scores(reference, long, outcomes[0], what="the long request,")
     tally = {"ok": 0, "pool exhausted": 0}
     refused = None
-    for request, outcome in zip(requests, fire_together(fault_server.grpc_url, requests, timeout_s=180)):
+    for request, outcome in zip(requests, outcomes[1:]):
         if isinstance(outcome, RequestFailed):
             assert "pool exhausted" in str(outcome).lower(), f"user {request.user_id}: {outcome}"
             tally["pool exhausted"] += 1
@@ -224,11 +254,10 @@ def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(f
             tally["ok"] += 1
     wait_drained(fault_server)
     exhausted = owner_stats(fault_server)["pool_exhausted"] - exhausted_before
-    print(f"10 concurrent 1024-event requests on 384 pages: {tally}; pool_exhausted counter +{exhausted}")
+    print(f"10 concurrent 1024-event requests behind a {BLOCKER_EVENTS}-event one on {FAULT_POOL_PAGES} pages: "
+          f"{tally}; pool_exhausted counter +{exhausted}")
+    assert tally["pool exhausted"] > 0, f"the pool was never exhausted: {tally}"
     assert exhausted == tally["pool exhausted"]
     # Once the pool drained, a request refused before is served.
-    retry = refused or requests[-1]
     with RankingClient(fault_server.grpc_url) as client:
-        check_scores(reference, retry, client.score(retry), what="retried,")
-
-
+        check_scores(reference, refused, client.score(refused), what="retried,")

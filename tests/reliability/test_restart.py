@@ -1,16 +1,14 @@
-"""Restart (DESIGN.md invariant 5): a clean stop and start of the whole server with the store's disk
+"""Restart: a clean stop and start of the whole server with the store's disk
 tier loses no user's KV: after the restart the users' histories are host hits (onboarded from
 the disk tier into the new, empty device pool) and their scores stay correct."""
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from deploy.client import RankingClient
 from deploy.launcher import Server
 from deploy.schema import RankingRequest
-from tests.integration.test_ensemble import metric
+from tests.helpers import metric, wait_for
 from tests.reliability.conftest import LOOKUP, check_scores, history, owner_stats, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,9 +32,13 @@ def test_stop_and_start_with_the_disk_tier_brings_users_back_as_host_hits(fault_
         for r in users:
             grown = RankingRequest(r.user_id, r.item_ids + [5], r.action_ids + [3], r.candidate_ids)
             check_scores(reference, grown, client.score(grown), what="after the restart,")
-    time.sleep(1.5)
-    host_hits = metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit")
-    onboarded = metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP)
-    assert host_hits == len(users), f"expected {len(users)} host hits after the restart, got {host_hits}"
-    assert onboarded == full_pages, f"expected every full page ({full_pages}) onboarded, got {onboarded}"
-    wait_drained(fault_server)
+    stats = wait_drained(fault_server)
+    assert stats["lookups_host_hit"] == len(users), f"expected {len(users)} host hits after the restart: {stats}"
+    assert stats["onboarded_pages"] == full_pages, f"expected every full page ({full_pages}) onboarded: {stats}"
+
+    def shown() -> tuple[float, float]:
+        return (metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit"),
+                metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP))
+
+    wait_for(lambda: shown() == (len(users), full_pages), 30,
+             lambda: f"the metrics port to show {len(users)} host hits and {full_pages} onboarded pages: {shown()}")

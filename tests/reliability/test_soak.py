@@ -1,8 +1,8 @@
 """Soak: 5 minutes (wall time) at concurrency 16 over many users with a pool far smaller than the
 working set, on `fault_server` (384 pages; the users' histories need about 10x that).
 
-Checked: no request fails other than with a clear "pool exhausted" (none expected: 16 requests of
-at most 8 pages fit with their offloads), a sample of responses equals the reference scorer, the
+Checked: no request fails, not even with "pool exhausted" (16 requests of at most 8 pages lease
+at most 128 of the 384 pages, and the rest cannot all be pinned by offloads in flight), a sample of responses equals the reference scorer, the
 pool is back at baseline after a short drain (nothing leased, pinned or quarantined), and the
 tritonserver + stub processes' resident memory grew by at most RSS_GROWTH_BOUND between the end
 of the warm-up and the end of the soak.
@@ -19,8 +19,8 @@ import pytest
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
 from deploy.schema import RankingRequest
-from tests.integration.test_ensemble import metric
-from tests.reliability.conftest import FAULT_CANDIDATE, LOOKUP, check_scores, wait_drained
+from tests.helpers import metric
+from tests.reliability.conftest import FAULT_CANDIDATE, LOOKUP, check_scores, settled_kv_metrics, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -109,15 +109,14 @@ def test_soak_five_minutes_at_concurrency_16(fault_server: Server, reference) ->
 
     drained = wait_drained(fault_server, timeout_s=60)
     rss["end"] = serving_rss(fault_server)
-    time.sleep(1.5)
+    settled_kv_metrics(fault_server)  # the metrics port shows the owner's page table and counters
     counts = {o: metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome=o)
               for o in ("device_hit", "host_hit", "miss")}
     print(f"soak: {served[0]} requests in {wall:.0f}s ({served[0] / wall:.1f}/s) at concurrency {CONCURRENCY}, "
           f"{len(errors)} errors, lookups {counts}, evictions {drained['evictions']}, "
           f"onboarded pages {drained['onboarded_pages']}, {len(sample)} responses checked")
 
-    unexpected = [e for e in errors if "pool exhausted" not in e.lower()]
-    assert not unexpected, f"{len(unexpected)} failed requests, e.g. {unexpected[:3]}"
+    assert not errors, f"{len(errors)} failed requests, e.g. {errors[:3]}"
     assert served[0] > 0 and sample
     for i, (request, scores) in enumerate(sample):
         check_scores(reference, request, scores, what=f"soak sample {i},")

@@ -1,0 +1,81 @@
+"""Helpers the server-backed tests share: waiting for a condition, and reading what a running
+tritonserver reports (Prometheus metrics, per-model statistics).
+
+- `wait_for(predicate, timeout_s, what)`: poll until `predicate()` is true; fail with `what` at the
+  deadline. Use it instead of a fixed sleep wherever a test waits for a metric or a state.
+- `metric(server, name, **labels)`: the sum of the series `name` whose labels include `labels`;
+  fails when no such series exists (a renamed or missing series must not read as 0).
+- `ModelStats.read(server, model)`: `/v2/models/<model>/stats`: request counts, executions, and
+  the dynamic batcher's batch sizes; subtract two reads for what happened in between.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str | Callable[[], str],
+             interval_s: float = 0.1) -> T:
+    """Call `predicate` until it returns a true value, and return that value; AssertionError
+    naming `what` (a string, or a callable giving one, e.g. with the last state seen) once
+    `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """Sum of the Prometheus series `name` (on `server.metrics_url`) whose labels include
+    `labels`; AssertionError when the metrics port shows no such series."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    total, found = 0.0, 0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+            found += 1
+    assert found, f"no series {name}{labels or ''} on {server.metrics_url}"
+    return total
+
+
+@dataclass
+class ModelStats:
+    """One model's counters from Triton's statistics extension (all versions summed)."""
+
+    success: int = 0  # requests answered
+    fail: int = 0  # requests failed
+    inferences: int = 0  # inference_count: requests executed (batched or not)
+    executions: int = 0  # execution_count: model executions (one per dynamic batch)
+    batches: Counter = field(default_factory=Counter)  # batch size -> executions of that size
+
+    @classmethod
+    def read(cls, server, model: str) -> "ModelStats":
+        url = f"http://{server.http_url}/v2/models/{model}/stats"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        out = cls()
+        for s in body["model_stats"]:
+            out.success += int(s["inference_stats"]["success"]["count"])
+            out.fail += int(s["inference_stats"]["fail"]["count"])
+            out.inferences += int(s["inference_count"])
+            out.executions += int(s["execution_count"])
+            for b in s.get("batch_stats", []):
+                out.batches[int(b["batch_size"])] += int(b["compute_infer"]["count"])
+        return out
+
+    def __sub__(self, before: "ModelStats") -> "ModelStats":
+        batches = Counter({size: n - before.batches.get(size, 0) for size, n in self.batches.items()})
+        return ModelStats(self.success - before.success, self.fail - before.fail, self.inferences - before.inferences,
+                          self.executions - before.executions, +batches)

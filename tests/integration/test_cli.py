@@ -1,0 +1,91 @@
+"""The command-line tools as a user runs them, with small settings: `hstu-trace`, the demo
+(`python -m deploy.demo`, its own server) and a smoke run of `hstu-bench` (its own server, one
+sweep point, one repeat)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deploy import trace as trace_mod
+from deploy.schema import ENSEMBLE, MONOLITHIC
+from deploy.trace import TraceConfig, generate
+from tests.conftest import PORT_ATTEMPTS, REPO_ROOT, free_ports
+
+BIN = Path(sys.executable).parent
+
+
+def run(cmd: list[str], timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_hstu_trace_writes_a_growing_trace_and_perf_analyzer_data(tmp_path: Path) -> None:
+    out, pa = tmp_path / "trace.jsonl", tmp_path / "pa.json"
+
+    done = run([str(BIN / "hstu-trace"), "--out", str(out), "--perf-analyzer-out", str(pa), "--users", "5",
+                "--requests", "30", "--median-events", "50", "--candidates", "4", "8", "--seed", "3"], 60)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    trace = trace_mod.load(out)
+    users = {r.user_id for r in trace}
+    assert f"wrote 30 requests over {len(users)} users to {out}" in done.stdout
+    assert trace == generate(TraceConfig(num_users=5, num_requests=30, initial_events_median=50, candidates_min=4,
+                                         candidates_max=8, seed=3)), "the trace is not the seeded one"
+    assert len(users) <= 5 and all(4 <= len(r.candidate_ids) <= 8 for r in trace)
+    last: dict[int, tuple[list[int], list[int]]] = {}
+    for r in trace:  # a user's earlier history is a prefix of the next request's: a cacheable prefix
+        items, actions = last.get(r.user_id, ([], []))
+        assert len(r.item_ids) > len(items) and r.item_ids[:len(items)] == items and r.action_ids[:len(items)] == actions
+        last[r.user_id] = (r.item_ids, r.action_ids)
+    data = json.loads(pa.read_text())["data"]
+    assert len(data) == len(trace)
+    for entry, r in zip(data, trace):
+        for name, arr in r.arrays().items():
+            assert entry[name] == {"content": arr.tolist(), "shape": list(arr.shape)}, name
+
+
+@pytest.mark.integration
+def test_demo_serves_checks_every_score_and_stops_cleanly(tmp_path: Path) -> None:
+    report = tmp_path / "demo.json"
+    for _ in range(PORT_ATTEMPTS):  # a port taken between free_ports and tritonserver's bind: new ports
+        http, grpc, metrics = free_ports(3)
+        done = run([sys.executable, "-m", "deploy.demo", "--requests", "20", "--users", "4", "--concurrency", "2",
+                    "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                    "--json-out", str(report)])
+        if "already in use" not in done.stdout + done.stderr:
+            break
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "stopped cleanly; all scores match the reference" in done.stdout
+    result = json.loads(report.read_text())
+    assert [(r["model"], r["concurrency"]) for r in result["runs"]] == [(ENSEMBLE, 2), (MONOLITHIC, 2)]
+    for r in result["runs"]:
+        assert (r["ok"], r["errors"], r["failure"]) == (20, 0, None), r
+        assert 0 <= r["max_abs_diff"] <= result["tolerance"] and r["throughput"] > 0, r
+    assert any(line.startswith('hstu_kv_lookups_total{model="kv_lookup_alloc"') for line in result["metrics"])
+
+
+@pytest.mark.integration
+def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
+    done = run([str(BIN / "hstu-bench"), "--quick", "--phases", "sweep", "--concurrency", "2", "--repeats", "1",
+                "--requests", "16", "--users", "4", "--no-perf-analyzer", "--no-offload-compare",
+                "--out-dir", str(tmp_path)])
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("*-cpu.json")
+    report = json.loads(path.read_text())
+    [point] = report["phases"]["sweep"]["points"]
+    assert point["concurrency"] == 2
+    for model in (ENSEMBLE, MONOLITHIC):
+        [measured] = point[model]["runs"]
+        assert (measured["ok"], measured["errors"]) == (16, 0), (model, measured)
+        assert measured["throughput"] > 0 and 0 < measured["p50_ms"] <= measured["p99_ms"], (model, measured)
+    assert report["summary"]["rows"][0]["concurrency"] == 2
+    assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
+    assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout
+    assert np.isfinite(report["summary"]["rows"][0]["throughput_ratio"])
