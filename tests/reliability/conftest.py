@@ -3,8 +3,8 @@
 - `fault_server` (package scope): a second tritonserver + host store for the tests that need a
   config of their own: a small page pool (384 pages of 32 tokens, far smaller than the soak's
   working set; 3 max-length histories fill it), a 512 MB store DRAM tier plus a disk tier, and
-  test fault injection (`HSTU_FAULTS`, `deploy/faults.py`): hstu_compute raises on candidate
-  `FAULT_CANDIDATE`. It boots in the background from the first reliability test on, while the
+  a test model repository (`fault_repository`) whose hstu_compute is a subclass of the real one
+  that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving.
 - `owner_stats(server)`: kv_lookup_alloc's page table counters, read over its control socket
@@ -41,14 +41,34 @@ from tests.conftest import LocalServer, launch_config
 from tests.helpers import ModelStats, metric, wait_for
 
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
+FAULT_MODEL = Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py"
+REAL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 FAULT_POOL_PAGES = 384
 TOLERANCE = 1e-4
 LOOKUP = "kv_lookup_alloc"
 
 
+def fault_repository(root: Path) -> Path:
+    """A model repository of the real models (linked), except hstu_compute's `model.py`, which
+    is the test subclass that injects the fault. The weights and the AOTI package stay in the
+    real model folder (`HSTU_MODEL_DIR`)."""
+    repository = root / "fault_repository"
+    repository.mkdir(parents=True)
+    for model in REAL_REPOSITORY.iterdir():
+        if model.is_dir() and model.name != COMPUTE:
+            (repository / model.name).symlink_to(model)
+    version = repository / COMPUTE / "1"
+    version.mkdir(parents=True)
+    (repository / COMPUTE / "config.pbtxt").symlink_to(REAL_REPOSITORY / COMPUTE / "config.pbtxt")
+    (version / "model.py").symlink_to(FAULT_MODEL)
+    return repository
+
+
 def fault_launch_config(root: Path):
     return launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk", store_dram_bytes=512 << 20,
-                         extra_env={"HSTU_FAULTS": json.dumps({"compute_raise_on_candidate": FAULT_CANDIDATE})})
+                         model_repository=fault_repository(root),
+                         extra_env={"HSTU_TEST_FAULT_CANDIDATE": str(FAULT_CANDIDATE),
+                                    "HSTU_TEST_REAL_MODEL": str(REAL_REPOSITORY / COMPUTE / "1" / "model.py")})
 
 
 class _EarlyStart:

@@ -5,7 +5,7 @@ On the session `server`:
 - two concurrent requests for the same user: both correct.
 
 On `fault_server` (small pool, fault injection):
-- hstu_compute raising on one request (test fault injection, `deploy/faults.py`) that shares a
+- hstu_compute raising on one request (a test subclass of the model, `fault_models/`) that shares a
   dynamic batch with good ones: that request fails, its lease is aborted (pages back at once, not
   by expiry), its batch-mates are correct;
 - the host store killed mid-load: requests keep being served correctly (recompute), store errors

@@ -13,7 +13,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import PagedBatch, load_compiled, plan_sub_batches
-from deploy import faults, pool_handle
+from deploy import pool_handle
 from deploy.settings import ServingSettings
 from deploy.triton_io import error_response, input_tensor, output_tensor
 from deploy.triton_metrics import KVMetrics, StageTimer, stage_keys
@@ -33,7 +33,6 @@ class TritonPythonModel:
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.published_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
-        self.fault = faults.compute_fault()  # test fault injection (HSTU_FAULTS); None in a deployment
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], stage_keys("compute"), source=self.stages.stats)
 
@@ -80,8 +79,6 @@ class TritonPythonModel:
         return new_tokens, cached_len, page_row, candidates, lease_id
 
     def _score(self, pool: PagePool, items) -> list:
-        if self.fault is not None:
-            self.fault([item[3] for item in items])
         batch = PagedBatch.from_requests([(t, c, p, cand) for t, c, p, cand, _ in items])
         scores = self.run(pool.tensor, batch)  # [sum c, num_tasks]
         if self.device.type == "cuda":
