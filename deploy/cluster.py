@@ -35,16 +35,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
 from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, _tail, _terminate, _wait_for,
-                             build_model)
+                             build_model, wait_until_ready)
 from deploy.settings import REPO_ROOT
 
 logger = logging.getLogger("hstu-cluster")
@@ -245,19 +242,14 @@ class Cluster:
 
     def _wait_ready(self) -> None:
         url = f"http://{connect_host(self.config.host)}:{self.config.http_port}/v2/models/{ENSEMBLE}/ready"
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while time.monotonic() < deadline:
+
+        def check_alive() -> None:
             if self.nginx.poll() is not None:
                 raise RuntimeError(f"nginx exited with {self.nginx.returncode}:\n"
                                    f"{_tail(self.nginx_dir / 'error.log')}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{ENSEMBLE} not ready through the proxy after {self.config.ready_timeout_s:.0f}s")
+
+        if not wait_until_ready(url, self.config.ready_timeout_s, check_alive, interval_s=0.2):
+            raise TimeoutError(f"{ENSEMBLE} not ready through the proxy after {self.config.ready_timeout_s:.0f}s")
 
 
 # ---- command line ------------------------------------------------------------------------------

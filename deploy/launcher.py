@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
                           nginx_command, render_nginx_conf, write_nginx_conf)
@@ -315,8 +316,8 @@ class Server:
     def _wait_ready(self) -> None:
         """Until `hstu_ranking` is ready, asked through the front when there is one."""
         url = f"http://{connect_host(self.config.host)}:{self.config.http_port}/v2/models/{ENSEMBLE}/ready"
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while time.monotonic() < deadline:
+
+        def check_alive() -> None:
             if self.triton.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.triton.returncode} before "
                                    f"{ENSEMBLE} was ready; log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
@@ -324,16 +325,28 @@ class Server:
                 log = self.nginx_dir / "error.log"
                 raise RuntimeError(f"nginx exited with {self.front.returncode} before {ENSEMBLE} was ready; "
                                    f"log tail ({log}):\n{_tail(log)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        logger.info("%s ready", ENSEMBLE)
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
+
+        if wait_until_ready(url, self.config.ready_timeout_s, check_alive):
+            logger.info("%s ready", ENSEMBLE)
+            return
         raise TimeoutError(f"{ENSEMBLE} not ready after {self.config.ready_timeout_s:.0f}s; "
                            f"log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+
+
+def wait_until_ready(url: str, timeout_s: float, check_alive: Callable[[], None], interval_s: float = 0.5) -> bool:
+    """Poll a readiness `url` until it answers 200 (True) or `timeout_s` passes (False).
+    `check_alive()` runs before each poll and raises when a process the caller waits on died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(interval_s)
+    return False
 
 
 def build_model(model_dir: Path, device: str, model_config: Path | None = None) -> None:

@@ -20,7 +20,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import psutil
 import pytest
 
 from deploy.client import check_scores, replay
-from deploy.launcher import build_model
+from deploy.launcher import build_model, wait_until_ready
 from deploy.schema import ENSEMBLE, MONOLITHIC, RankingRequest
 from deploy.settings import DEFAULT_MODEL_DIR, default_run_dir
 from deploy.trace import TraceConfig, generate
@@ -60,18 +59,12 @@ def exported(recipe: str) -> dict[str, str]:
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, log: Path, timeout_s: float = 600.0) -> None:
-    url = f"http://127.0.0.1:{http_port}/v2/models/{ENSEMBLE}/ready"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def check_alive() -> None:
         assert proc.poll() is None, f"exited with {proc.returncode} before {ENSEMBLE} was ready:\n{tail(log)}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{ENSEMBLE} not ready after {timeout_s:.0f}s:\n{tail(log)}")
+
+    url = f"http://127.0.0.1:{http_port}/v2/models/{ENSEMBLE}/ready"
+    if not wait_until_ready(url, timeout_s, check_alive):
+        raise AssertionError(f"{ENSEMBLE} not ready after {timeout_s:.0f}s:\n{tail(log)}")
 
 
 def stop_group(proc: subprocess.Popen, tree: list[psutil.Process]) -> list[str]:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -224,28 +225,13 @@ def evict_from_device(client, first_user: int, pages: int = FAULT_POOL_PAGES + 1
 def fire_together(url: str, requests: list[RankingRequest], timeout_s: float = 120.0) -> list:
     """Send each request on its own stream, all released at once; returns per request its scores
     or the exception (RequestFailed, TimeoutError: a hang) it raised."""
-    clients = [RankingClient(url, timeout_s=timeout_s) for _ in requests]
     barrier = threading.Barrier(len(requests))
-    out: list = [None] * len(requests)
 
-    def one(i: int) -> None:
-        barrier.wait()
-        try:
-            out[i] = clients[i].score(requests[i])
-        except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
-            out[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
-    try:
+    def start(threads: list[threading.Thread]) -> None:
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(timeout_s + 30)
-        assert not any(t.is_alive() for t in threads), "a client thread hung"
-    finally:
-        for c in clients:
-            c.close()
-    return out
+
+    return _each_on_its_own_stream(url, requests, timeout_s, start, before_send=barrier.wait)
 
 
 BLOCKER_EVENTS = 2048  # a fresh max-length history: ~0.7 s of hstu_compute on 2 CPU cores, 128 pages
@@ -262,29 +248,43 @@ def send_in_order(server: Server, groups: list[list[RankingRequest]], timeout_s:
     so hstu_compute's queue holds the groups in this order. Returns each request's scores or the
     exception it raised, flattened in order."""
     requests = [r for group in groups for r in group]
-    out: list = [None] * len(requests)
-    clients = [RankingClient(server.grpc_url, timeout_s=timeout_s) for _ in requests]
-
-    def one(i: int) -> None:
-        try:
-            out[i] = clients[i].score(requests[i])
-        except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
-            out[i] = e
 
     def answered() -> int:
         s = ModelStats.read(server, LOOKUP)
         return s.success + s.fail
 
-    lookups = answered()
-    threads, sent = [], 0
-    try:
+    def start(threads: list[threading.Thread]) -> None:
+        lookups, sent = answered(), 0
         for group in groups:
             for _ in group:
-                threads.append(threading.Thread(target=one, args=(sent,)))
-                threads[-1].start()
+                threads[sent].start()
                 sent += 1
             wait_for(lambda: answered() >= lookups + sent, timeout_s, f"kv_lookup_alloc to answer {sent} requests",
                      interval_s=0.01)
+
+    return _each_on_its_own_stream(server.grpc_url, requests, timeout_s, start)
+
+
+def _each_on_its_own_stream(url: str, requests: list[RankingRequest], timeout_s: float,
+                            start: Callable[[list[threading.Thread]], None],
+                            before_send: Callable[[], object] | None = None) -> list:
+    """One client and one thread per request; `start(threads)` starts the threads (thread `i`
+    sends request `i`, after `before_send()`). Returns each request's scores or the exception it
+    raised; a thread still running after the timeout fails the test."""
+    out: list = [None] * len(requests)
+    clients = [RankingClient(url, timeout_s=timeout_s) for _ in requests]
+
+    def one(i: int) -> None:
+        if before_send is not None:
+            before_send()
+        try:
+            out[i] = clients[i].score(requests[i])
+        except Exception as e:  # noqa: BLE001 - reported to the test as the outcome
+            out[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    try:
+        start(threads)
         for t in threads:
             t.join(timeout_s + 30)
         assert not any(t.is_alive() for t in threads), "a client thread hung"
