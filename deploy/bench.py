@@ -50,7 +50,7 @@ import numpy as np
 
 from deploy.client import RankingClient, ReplayResult, replay
 from deploy.launcher import LaunchConfig, Server
-from deploy.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD, RankingRequest
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD, RankingRequest
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 
 logger = logging.getLogger("hstu-bench")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.schema import ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 
 COLORS = {ENSEMBLE: "tab:blue", MONOLITHIC: "tab:orange"}
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from deploy.client import ROUTE_HEADER, check_scores, replay
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig
-from deploy.schema import ENSEMBLE
-from deploy.settings import DEFAULT_MODEL_REPOSITORY
+from deploy.runtime.schema import ENSEMBLE
+from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate
 
 

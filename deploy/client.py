@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from deploy import trace as trace_mod
-from deploy.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, RankingRequest
 
 
 ROUTE_HEADER = "x-user-id"

@@ -42,7 +42,7 @@ from typing import Any
 from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
 from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, _tail, _terminate, _wait_for,
                              build_model, wait_until_ready)
-from deploy.settings import REPO_ROOT
+from deploy.runtime.settings import REPO_ROOT
 
 logger = logging.getLogger("hstu-cluster")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from compute import HSTUConfig
 from deploy.client import CheckFailed, check_scores, reference_scores, replay
 from deploy.launcher import LaunchConfig, Server
-from deploy.schema import ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
 
 

@@ -17,7 +17,7 @@ import string
 import subprocess
 from pathlib import Path
 
-from deploy.schema import ENSEMBLE_INPUTS
+from deploy.runtime.schema import ENSEMBLE_INPUTS
 
 NGINX_TEMPLATE = Path(__file__).resolve().parent / "nginx.conf.template"
 MAX_BODY_SIZE = "1m"  # HTTP request body cap; a request of 2,048 events and 256 candidates is ~40 KB of JSON

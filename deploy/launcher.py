@@ -43,7 +43,7 @@ from typing import Callable
 
 from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
                           nginx_command, render_nginx_conf, write_nginx_conf)
-from deploy.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, STORE_KINDS, ServingSettings
+from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, STORE_KINDS, ServingSettings
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 logger = logging.getLogger("hstu-serve")

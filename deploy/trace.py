@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.schema import RankingRequest
+from deploy.runtime.schema import RankingRequest
 
 
 @dataclass

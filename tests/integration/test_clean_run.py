@@ -10,7 +10,7 @@ import re
 import urllib.request
 
 from deploy.client import check_scores, replay
-from deploy.schema import ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
 
 ERRORS = "hstu_kv_store_errors_total"
@@ -40,7 +40,7 @@ def test_the_ensemble_answers_unary_grpc_and_http_infer(server, reference):
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    from deploy.schema import RankingRequest
+    from deploy.runtime.schema import RankingRequest
 
     request = RankingRequest(user_id=77, item_ids=[5, 9, 13, 21], action_ids=[1, 0, 2, 3], candidate_ids=[11, 12, 13])
     expected = reference.score(request.user_id, request.item_ids, request.action_ids, request.candidate_ids)

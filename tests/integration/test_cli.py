@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deploy import trace as trace_mod
-from deploy.schema import ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
 from tests.conftest import PORT_ATTEMPTS, REPO_ROOT, free_ports
 

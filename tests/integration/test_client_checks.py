@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from deploy.client import CheckFailed, ReplayResult, check_scores, replay
-from deploy.schema import RankingRequest
+from deploy.runtime.schema import RankingRequest
 from tests.conftest import REPO_ROOT, free_ports
 
 TRACE = [RankingRequest(7, [11, 12, 13], [1, 0, 2], [21, 22]), RankingRequest(8, [11], [1], [21]),

@@ -14,7 +14,7 @@ import pytest
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.client import ROUTE_HEADER, RankingClient, replay
 from deploy.launcher import Server
-from deploy.schema import COMPUTE, ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 from tests.conftest import start_server
 from tests.helpers import ModelStats, metric, wait_for
@@ -129,7 +129,7 @@ def test_perf_analyzer_streams_a_trace_with_sane_figures(server: Server, tmp_pat
 
 def test_bad_request_names_the_field(server: Server) -> None:
     from deploy.client import RequestFailed
-    from deploy.schema import RankingRequest
+    from deploy.runtime.schema import RankingRequest
 
     with RankingClient(server.grpc_url) as client:
         with pytest.raises(RequestFailed, match="action_ids"):

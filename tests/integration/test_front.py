@@ -29,7 +29,7 @@ from deploy.client import RankingClient, RequestFailed
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.front import MAX_BODY_SIZE, MAX_INPUT_DEPTH, write_nginx_conf
 from deploy.launcher import LaunchConfig, Server
-from deploy.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from tests.conftest import REPO_ROOT, free_ports
 
 pytestmark = pytest.mark.integration

@@ -29,8 +29,8 @@ import pytest
 
 from deploy.client import check_scores, replay
 from deploy.launcher import build_model, wait_until_ready
-from deploy.schema import ENSEMBLE, MONOLITHIC, RankingRequest
-from deploy.settings import DEFAULT_MODEL_DIR, default_run_dir
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, RankingRequest
+from deploy.runtime.settings import DEFAULT_MODEL_DIR, default_run_dir
 from deploy.trace import TraceConfig, generate
 from deploy.triton_env import find_triton
 from kvlifecycle.control import ControlClient
@@ -214,7 +214,7 @@ def test_printed_recipe_runs_as_printed_and_gets_host_hits(tmp_path: Path) -> No
 
 
 def test_default_settings_agree_on_a_private_run_dir_and_no_store(tmp_path: Path) -> None:
-    from deploy.settings import ServingSettings
+    from deploy.runtime.settings import ServingSettings
 
     env = {"XDG_RUNTIME_DIR": str(tmp_path)}
     a, b = ServingSettings.from_env(env), ServingSettings.from_env(dict(env))
@@ -227,7 +227,7 @@ def test_default_settings_agree_on_a_private_run_dir_and_no_store(tmp_path: Path
 
 
 def test_a_run_dir_others_can_reach_is_refused(tmp_path: Path) -> None:
-    from deploy.settings import ServingSettings
+    from deploy.runtime.settings import ServingSettings
 
     shared = tmp_path / "shared"
     shared.mkdir()

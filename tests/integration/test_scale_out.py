@@ -20,7 +20,7 @@ import pytest
 from deploy.client import ROUTE_HEADER, replay
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig, Server
-from deploy.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.trace import TraceConfig, generate
 from tests.conftest import free_ports
 from tests.integration.test_ensemble import assert_matches_reference, metric

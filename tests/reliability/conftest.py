@@ -35,7 +35,7 @@ import pytest
 from compute import HSTUConfig
 from deploy.client import RankingClient
 from deploy.launcher import Server, build_model
-from deploy.schema import COMPUTE, RankingRequest
+from deploy.runtime.schema import COMPUTE, RankingRequest
 from kvlifecycle.control import ControlClient
 from kvlifecycle.store import open_store
 from tests.conftest import LocalServer, launch_config

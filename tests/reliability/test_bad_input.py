@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from deploy.client import RankingClient
 from deploy.launcher import Server
-from deploy.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.triton_env import find_triton, triton_env
 from tests.conftest import free_ports
 from tests.reliability.conftest import check_scores, owner_stats, settled_kv_metrics

@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.schema import COMPUTE, ENSEMBLE, RankingRequest
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, RankingRequest
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for

@@ -7,7 +7,7 @@ import pytest
 
 from deploy.client import RankingClient
 from deploy.launcher import Server
-from deploy.schema import RankingRequest
+from deploy.runtime.schema import RankingRequest
 from tests.helpers import metric, wait_for
 from tests.reliability.conftest import LOOKUP, check_scores, history, owner_stats, wait_drained
 

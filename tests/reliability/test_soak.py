@@ -18,7 +18,7 @@ import pytest
 
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.schema import RankingRequest
+from deploy.runtime.schema import RankingRequest
 from tests.helpers import metric
 from tests.reliability.conftest import FAULT_CANDIDATE, LOOKUP, check_scores, settled_kv_metrics, wait_drained
 

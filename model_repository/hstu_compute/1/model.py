@@ -13,10 +13,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import PagedBatch, load_compiled, plan_sub_batches
-from deploy import pool_handle
-from deploy.settings import ServingSettings
-from deploy.triton_io import error_response, input_tensor, output_tensor
-from deploy.triton_metrics import KVMetrics, StageTimer, stage_keys
+from deploy.runtime import pool_handle
+from deploy.runtime.settings import ServingSettings
+from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
+from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient
 from kvlifecycle.pool import PagePool
 

@@ -11,10 +11,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_compiled
-from deploy.cache_owner import open_kv_cache
-from deploy.settings import ServingSettings
-from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.triton_metrics import OWNER_KEYS, KVMetrics
+from deploy.runtime.cache_owner import open_kv_cache
+from deploy.runtime.settings import ServingSettings
+from deploy.runtime.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics
 from kvlifecycle.manager import Offloader
 from kvlifecycle.page_table import PoolExhausted
 

@@ -11,11 +11,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
-from deploy import pool_handle
-from deploy.cache_owner import open_kv_cache
-from deploy.settings import ServingSettings
-from deploy.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
+from deploy.runtime import pool_handle
+from deploy.runtime.cache_owner import open_kv_cache
+from deploy.runtime.settings import ServingSettings
+from deploy.runtime.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle import ops
 from kvlifecycle.control import ControlServer
 from kvlifecycle.page_table import PoolExhausted

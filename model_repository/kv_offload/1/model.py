@@ -14,11 +14,11 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
-from deploy import pool_handle
-from deploy.cache_owner import open_store_client, pool_spec
-from deploy.settings import ServingSettings
-from deploy.triton_io import error_response, input_tensor, output_tensor
-from deploy.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
+from deploy.runtime import pool_handle
+from deploy.runtime.cache_owner import open_store_client, pool_spec
+from deploy.runtime.settings import ServingSettings
+from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
+from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
 

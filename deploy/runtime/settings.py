@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 DEFAULT_MODEL_DIR = DEFAULT_MODEL_REPOSITORY / "hstu_compute" / "1"
 DEVICES = ("cpu", "cuda")

@@ -14,7 +14,7 @@ from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store import HostStoreClient, open_store
 
-from deploy.settings import ServingSettings
+from deploy.runtime.settings import ServingSettings
 
 logger = logging.getLogger(__name__)
 
