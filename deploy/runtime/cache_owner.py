@@ -45,7 +45,8 @@ def pool_spec(config, settings: ServingSettings) -> PoolSpec:
                     device=settings.device)
 
 
-def open_store_client(settings: ServingSettings, page_size: int) -> HostStoreClient | None:
+def open_store_client(settings: ServingSettings, page_size: int,
+                      owned_pool: PagePool | None = None) -> HostStoreClient | None:
     """The host store client for `settings.store`, or None for `--store none`.
 
     Every client names the pool its slots refer to with `register_pool(handle)`: the owner
@@ -59,6 +60,9 @@ def open_store_client(settings: ServingSettings, page_size: int) -> HostStoreCli
                           rpc_timeout_s=settings.store_timeout_s,
                           global_segment_bytes=settings.mooncake_segment_bytes,
                           local_hostname=settings.mooncake_local_hostname)
+    if settings.store == "flexkv":  # the owner also registers its pool's memory with FlexKV's engine
+        return open_store("flexkv", endpoint=settings.store_endpoint, page_size=page_size,
+                          rpc_timeout_s=settings.store_timeout_s, owned_pool=owned_pool)
     return open_store(settings.store, endpoint=settings.store_endpoint, page_size=page_size,
                       rpc_timeout_s=settings.store_timeout_s)
 
@@ -66,7 +70,7 @@ def open_store_client(settings: ServingSettings, page_size: int) -> HostStoreCli
 def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
     pool = PagePool.create(pool_spec(config, settings))
     handle = pool.handle()
-    store = open_store_client(settings, pool.spec.page_size)
+    store = open_store_client(settings, pool.spec.page_size, owned_pool=pool)
     if store is not None and not store.register_pool(handle):
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
                        settings.store_endpoint)

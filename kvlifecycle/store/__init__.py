@@ -43,8 +43,10 @@ Backends (``open_store(kind, **cfg)``):
   that only offloads another process's pool passes that owner's published handle).
 - ``mooncake``: Mooncake Store (``mooncake-transfer-engine``), pages as objects keyed by the
   hex chain key; copies happen in the calling process (``mooncake.py``).
-- ``flexkv``: UNVERIFIED. An adapter to FlexKV's ``KVManager`` written against a guessed API
-  that has never run against a built FlexKV (FlexKV is not on PyPI); see the README.
+- ``flexkv``: FlexKV (built with ``deploy/build_flexkv.sh``; CUDA pools only) in a store process
+  of its own (``python -m kvlifecycle.store.flexkv``), reached with the embedded protocol; the
+  owner also registers its pool's memory with FlexKV's transfer engine (``flexkv.py``).
+  cfg: as ``embedded``, plus ``owned_pool`` (the ``PagePool`` this process allocated).
 - ``none``: holds nothing; matches are empty, puts succeed and are dropped, gets NOTFOUND.
 """
 

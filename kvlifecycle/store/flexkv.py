@@ -1,110 +1,376 @@
-"""The ``flexkv`` backend: a thin adapter to FlexKV's ``KVManager`` (github.com/taco-project/FlexKV).
+"""The ``flexkv`` backend: FlexKV (github.com/taco-project/FlexKV) as the host tier.
 
-FlexKV is not on PyPI; this backend works only where ``import flexkv`` works (built from
-source). Its API is the one ours is shaped after, so the adapter maps names and statuses:
-``get_match``/``put_async``/``get_async``/``launch``/``wait``/``try_wait``/``cancel`` pass
-through; FlexKV's ``KVResponse.status`` maps to ``Status`` by name. FlexKV registers the
-device pool through its own ``KVTPClient``; ``register_pool`` hands the attached pool's
-tensor to it when the manager exposes ``register_kv_caches``.
+FlexKV is not on PyPI: build it with ``deploy/build_flexkv.sh`` (CUDA only). Its ``KVManager``
+takes one GPU registration per data-parallel rank from the process that allocated the GPU
+memory, and is driven by one caller. Our ensemble has two callers of the store (the pool's
+owner looks up and onboards, kv_offload offloads), so FlexKV runs in a store process of its
+own that speaks our store protocol (``protocol.py``), and both callers use the ordinary
+protocol client:
+
+    python -m kvlifecycle.store.flexkv --endpoint ipc://RUN/store.sock --dram-bytes N
+
+Call order, per device page pool (one ``KVManager`` each, so pools never share FlexKV's
+GPU registration):
+
+1. The owner's ``FlexKVStoreClient.register_pool(handle)`` sends ``register_pool``; the
+   server starts a ``KVManager`` for the pool's geometry (FlexKV's CPU tier of
+   ``--dram-bytes`` per pool) whose transfer engine listens on ``gpu_register_endpoint``.
+2. The owner hands its pool's memory to that engine through FlexKV's ``KVTPClient`` (pool
+   ``[L, P, 2, S, H, D]`` is FlexKV's ``LAYERBLOCK`` GPU layout: one ``[P, 2, S, H, D]`` tensor
+   per layer; FlexKV opens them with CUDA IPC in its transfer process), then polls ``ping``
+   until the server reports the pool ready. A process that does not own the pool (kv_offload)
+   only names it.
+3. ``match`` -> ``KVManager.get_match`` (the prepared FlexKV task is cancelled: our client
+   launches gets itself); ``put``/``get`` -> ``put_async``/``get_async`` with a token mask over
+   the task's pages and a slot mapping ``pool_page * S + offset`` (the namespace is FlexKV's
+   namespace); ``poll`` -> ``try_wait``; ``cancel`` -> ``cancel``.
+
+Statuses: FlexKV's ``KVResponseStatus`` maps by name onto ``Status``; a get that FlexKV
+finished with fewer tokens than asked (a page was evicted meanwhile) is NOTFOUND (the owner
+then recomputes those pages, which overwrites whatever landed in them). Ordering guarantee:
+FlexKV launches a task when it is submitted and our server submits one client's tasks in
+arrival order, but FlexKV does not promise that a get overtakes no earlier put; the owner
+never gets pages it has not seen committed and offloaded (the offload's completion unpins
+them first), which is what the protocol relies on.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import logging
-from typing import Any, Sequence
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import zmq
 
-from kvlifecycle.hashing import TokenIds, tokens_as_int64
-from kvlifecycle.pool import PagePool
-from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status
+from kvlifecycle.pool import PagePool, PoolSpec
+from kvlifecycle.store.api import Status
+from kvlifecycle.store.embedded import EmbeddedStoreClient
+from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode, pool_id
+from kvlifecycle.store.server import prepare_ipc_endpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FlexKVStoreClient", "flexkv_unavailable_reason"]
+__all__ = ["FlexKVStoreClient", "FlexKVStoreServer", "flexkv_unavailable_reason", "gpu_register_endpoint"]
+
+READY_TIMEOUT_S = 120.0  # FlexKV spawns its transfer process and opens the pool: seconds, not ms
 
 
 def flexkv_unavailable_reason() -> str | None:
-    """None when ``import flexkv`` works, else why not."""
+    """None when ``import flexkv`` works, else why not and how to fix it."""
     try:
-        import flexkv  # noqa: F401
+        import flexkv.kvmanager  # noqa: F401
     except ImportError as e:
-        return f"FlexKV is not installed (not on PyPI; build it from source): {e}"
+        return (f"FlexKV is not importable ({e}): it is not on PyPI; build it with "
+                f"deploy/build_flexkv.sh SRC and source the env.sh it writes")
     return None
 
 
-class FlexKVStoreClient(HostStoreClient):
-    """``HostStoreClient`` over ``flexkv.kvmanager.KVManager``. Ordering guarantee: FlexKV's
-    (tasks of one manager complete in launch order per transfer direction)."""
+def gpu_register_endpoint(store_endpoint: str, pool: str) -> str:
+    """Where the FlexKV transfer engine of pool ``pool`` takes its GPU registration: beside
+    the store's own socket (both ends compute it, so nothing more travels)."""
+    if not store_endpoint.startswith("ipc://"):
+        raise ValueError(f"flexkv store endpoint: expected ipc://PATH (FlexKV's engine is local), "
+                         f"got {store_endpoint!r}")
+    return f"ipc://{Path(store_endpoint.removeprefix('ipc://')).parent}/flexkv-{pool[:16]}-gpu"
 
-    def __init__(self, page_size: int, model_config: Any, cache_config: Any, **manager_kwargs: Any) -> None:
-        reason = flexkv_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(f"open_store('flexkv'): {reason}")
-        from flexkv.kvmanager import KVManager
 
-        self.page_size = page_size
-        self._manager = KVManager(model_config, cache_config, **manager_kwargs)
-        self._manager.start()
-        self._errors = 0
+class FlexKVStoreClient(EmbeddedStoreClient):
+    """The protocol client to a FlexKV store process. ``owned_pool``: the pool this process
+    allocated (the owner); its memory is registered with FlexKV's transfer engine by
+    ``register_pool``. Without it (kv_offload) the client only names the owner's pool."""
+
+    def __init__(self, endpoint: str, page_size: int, owned_pool: PagePool | None = None, **kwargs: Any) -> None:
+        gpu_register_endpoint(endpoint, "check")  # refuse a tcp:// endpoint at once, naming the fix
+        super().__init__(endpoint, page_size, **kwargs)
+        self._owned_pool = owned_pool
+        self._registered_memory: set[str] = set()
 
     def register_pool(self, handle: dict[str, Any]) -> bool:
-        register = getattr(self._manager, "register_kv_caches", None)
-        if register is None:
-            logger.warning("flexkv: this KVManager has no register_kv_caches; register the pool "
-                           "through FlexKV's KVTPClient instead")
+        if not super().register_pool(handle):
             return False
-        register(PagePool.attach(handle).tensor)
-        return True
-
-    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
-        tokens = tokens_as_int64(token_ids)
-        try:
-            task_id, mask = self._manager.get_match(tokens, namespace=namespace)
-            return int(task_id), np.asarray(mask, dtype=bool)
-        except Exception:
-            self._errors += 1
-            logger.warning("flexkv get_match failed; reporting a miss", exc_info=True)
-            return -1, np.zeros(tokens.size, dtype=bool)
-
-    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds | None = None) -> int:
-        return int(self._manager.put_async(tokens_as_int64(token_ids), tokens_as_int64(slot_mapping),
-                                           token_mask=token_mask, namespace=namespace))
-
-    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds) -> int:
-        return int(self._manager.get_async(tokens_as_int64(token_ids), tokens_as_int64(slot_mapping),
-                                           token_mask=token_mask, namespace=namespace))
-
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
-        self._manager.launch(list(task_ids), [tokens_as_int64(s) for s in slot_mappings])
-
-    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
-        return self._statuses(self._manager.wait(list(task_ids), timeout=timeout_s), task_ids, Status.TIMEOUT)
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
-        return self._statuses(self._manager.try_wait(list(task_ids)), task_ids, Status.UNREADY)
-
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        self._manager.cancel(list(task_ids))
+        pool = pool_id(handle)
+        if self._owned_pool is None or pool in self._registered_memory:
+            return True
+        self._register_memory(pool)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = self._rpc({"op": Op.PING.value, "pool": pool})
+            if reply is not None and reply.get("ready"):
+                self._registered_memory.add(pool)
+                return True
+            if reply is not None and reply.get("failed"):
+                logger.error("flexkv store: pool %s failed to start: %s", pool, reply["failed"])
+                return False
+            time.sleep(0.1)
+        logger.error("flexkv store: pool %s not ready after %.0f s", pool, READY_TIMEOUT_S)
+        return False
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": "flexkv", "errors": self._errors}
+        return {**super().stats(), "backend": "flexkv"}
 
-    def close(self) -> None:
-        shutdown = getattr(self._manager, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+    def _register_memory(self, pool: str) -> None:
+        from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
+        from flexkv.server.client import KVTPClient
 
-    @staticmethod
-    def _statuses(responses: dict[int, Any], task_ids: Sequence[int], missing: Status) -> dict[int, Status]:
-        out: dict[int, Status] = {}
+        spec = self._owned_pool.spec
+        tensor = self._owned_pool.tensor  # [L, P, 2, S, H, D]
+        layout = KVCacheLayout(type=KVCacheLayoutType.LAYERBLOCK, num_layer=spec.num_layers,
+                               num_block=spec.num_pages, tokens_per_block=spec.page_size,
+                               num_head=spec.num_heads, head_size=spec.head_dim, kv_dim=2,
+                               num_kv_heads=spec.num_heads)
+        device_id = tensor.device.index or 0
+        client = KVTPClient(gpu_register_endpoint(self.endpoint, pool), dp_client_id=0, device_id=device_id)
+        client.register_to_server([tensor[layer] for layer in range(spec.num_layers)], layout)
+        self._tp_client = client  # keeps FlexKV's exported handles alive as long as this client
+
+
+@dataclass
+class _Task:
+    kind: Op
+    flexkv_id: int
+    tokens_asked: int  # tokens selected by the task's mask: a get that moved fewer is NOTFOUND
+
+
+@dataclass
+class _FlexKVPool:
+    """One device pool's ``KVManager``: built and started on a thread (seconds), used by the
+    socket thread once ``ready`` is set."""
+
+    spec: PoolSpec
+    manager: Any = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    failed: str | None = None
+
+
+class FlexKVStoreServer:
+    """Our store protocol over FlexKV. ``serve_forever`` in the main thread, ``stop`` from
+    anywhere. Every FlexKV call happens on the socket thread (FlexKV's manager wants one
+    caller), except each pool's start, which happens before the pool is marked ready."""
+
+    def __init__(self, endpoint: str, dram_bytes: int) -> None:
+        reason = flexkv_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        if dram_bytes <= 0:
+            raise ValueError(f"dram_bytes: expected > 0 (FlexKV's CPU tier per pool), got {dram_bytes}")
+        os.environ.setdefault("FLEXKV_ENABLE_MPS", "0")  # never start an MPS daemon on a shared GPU
+        self.endpoint = endpoint
+        self.dram_bytes = dram_bytes
+        self._pools: dict[str, _FlexKVPool] = {}
+        self._tasks: dict[tuple[str, int], tuple[str, _Task]] = {}
+        self._counters = collections.Counter[str]()
+        self._stop = threading.Event()
+
+    def serve_forever(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        prepare_ipc_endpoint(self.endpoint)
+        sock.bind(self.endpoint)
+        logger.info("flexkv store listening on %s (CPU tier %d bytes per pool)", self.endpoint, self.dram_bytes)
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100, zmq.POLLIN):
+                    frames = sock.recv_multipart()
+                    sock.send_multipart([frames[0], *encode(self._handle(frames))])
+        finally:
+            sock.close(0)
+            ctx.term()
+            for pool in self._pools.values():
+                if pool.manager is not None:
+                    pool.manager.shutdown()
+            logger.info("flexkv store stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- RPC handling (socket thread) ------------------------------------------------------
+
+    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
+        try:
+            header, arrays = decode(frames[2:])
+        except ValueError as e:
+            return {"seq": None, "rpc": RpcStatus.BAD_REQUEST.value, "error": str(e)}
+        try:
+            body = self._dispatch(Op(header.get("op")), header, arrays)
+        except (ValueError, KeyError, TypeError) as e:
+            body = {"rpc": RpcStatus.BAD_REQUEST.value, "error": f"{type(e).__name__}: {e}"}
+        except Exception as e:
+            logger.error("request %r failed", header.get("op"), exc_info=True)
+            body = {"rpc": RpcStatus.ERROR.value, "error": f"{type(e).__name__}: {e}"}
+        body.setdefault("rpc", RpcStatus.OK.value)
+        body["seq"] = header.get("seq")
+        return body
+
+    def _dispatch(self, op: Op, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        self._counters[f"rpc_{op.value}"] += 1
+        client = str(header.get("client", ""))
+        if op is Op.PING:
+            pool = self._pools.get(header.get("pool", ""))
+            return {"pool": bool(self._pools), "ready": bool(pool and pool.ready.is_set()),
+                    "failed": pool.failed if pool else None}
+        if op is Op.STATS:
+            return {"stats": {"backend": "flexkv", "pools": len(self._pools), **self._counters}}
+        if op is Op.REGISTER_POOL:
+            return {"pool": self._register(header["handle"])}
+        if op is Op.POLL:
+            return {"tasks": {str(t): self._poll(client, int(t)).value for t in header["tasks"]}}
+        if op is Op.CANCEL:
+            self._cancel(client, [int(t) for t in header["tasks"]])
+            return {}
+        pool_name = header.get("pool")
+        pool = self._pools.get(pool_name) if isinstance(pool_name, str) else None
+        if pool is None:
+            return {"rpc": RpcStatus.NO_POOL.value, "error": f"pool {pool_name} is not registered; call register_pool"}
+        page_size = int(header["page_size"])
+        if page_size != pool.spec.page_size:
+            raise ValueError(f"page_size: pool {pool_name} has {pool.spec.page_size}, got {page_size}")
+        namespace = [str(header["ns"])]
+        if op is Op.MATCH:
+            if not pool.ready.is_set():
+                return {"pages": 0}
+            task_id, mask = pool.manager.get_match(arrays["tokens"], namespace=namespace)
+            pool.manager.cancel([task_id])  # our client launches its own get
+            return {"pages": int(np.asarray(mask, dtype=bool).sum()) // page_size}
+        assert op in (Op.PUT, Op.GET), f"_dispatch: unhandled op {op}"
+        if not pool.ready.is_set():
+            return {"rpc": RpcStatus.BUSY.value, "error": f"pool {pool_name}: FlexKV is still starting"}
+        if time.monotonic() > float(header["accept_by"]):
+            return {"rpc": RpcStatus.BUSY.value, "error": "request arrived after the client's accept deadline"}
+        tokens, seq_pages, pool_pages = arrays["tokens"], arrays["seq_pages"], arrays["pool_pages"]
+        mask, slots = _token_mask_and_slots(tokens.size, seq_pages, pool_pages, page_size, pool.spec.num_pages)
+        submit = pool.manager.put_async if op is Op.PUT else pool.manager.get_async
+        flexkv_id = submit(tokens, slots, mask, namespace=namespace)
+        task = _Task(op, int(flexkv_id), int(mask.sum()))
+        key = (client, int(header["task"]))
+        if key in self._tasks:
+            raise ValueError(f"task {key[1]}: already submitted by this client")
+        self._tasks[key] = (pool_name, task)
+        self._counters[f"{op.value}_pages"] += int(seq_pages.size)
+        return {}
+
+    def _register(self, handle: Any) -> str:
+        if not isinstance(handle, dict) or "spec" not in handle:
+            raise ValueError("register_pool 'handle': expected a PagePool.handle() dict")
+        name = pool_id(handle)
+        if name not in self._pools:
+            spec = PoolSpec.from_dict(handle["spec"])
+            if not spec.device.startswith("cuda"):
+                raise ValueError(f"register_pool: FlexKV copies between GPU and host; pool {name} is on "
+                                 f"{spec.device}. Use --store embedded for a CPU pool")
+            pool = self._pools[name] = _FlexKVPool(spec)
+            threading.Thread(target=self._start_pool, args=(name, pool), name=f"flexkv-start-{name[:8]}",
+                             daemon=True).start()
+        return name
+
+    def _start_pool(self, name: str, pool: _FlexKVPool) -> None:
+        try:
+            from flexkv.common.config import CacheConfig, ModelConfig
+            from flexkv.kvmanager import KVManager
+            import torch
+
+            spec = pool.spec
+            model = ModelConfig(num_layers=spec.num_layers, num_kv_heads=spec.num_heads, head_size=spec.head_dim,
+                                kv_dim=2, dtype=getattr(torch, spec.dtype))
+            cache = CacheConfig(tokens_per_block=spec.page_size, enable_cpu=True, enable_ssd=False,
+                                num_cpu_blocks=max(1, self.dram_bytes // spec.page_bytes))
+            port = gpu_register_endpoint(self.endpoint, name)
+            manager = KVManager(model, cache, server_recv_port=port.removesuffix("-gpu") + "-srv",
+                                gpu_register_port=port)
+            manager.start()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not manager.is_ready():  # until the owner's KVTPClient registered the pool
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no GPU registration on {port} within {READY_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+            pool.manager = manager
+            pool.ready.set()
+            logger.info("flexkv store: pool %s ready (%s, %d CPU blocks)", name, spec, cache.num_cpu_blocks)
+        except Exception as e:
+            pool.failed = f"{type(e).__name__}: {e}"
+            logger.error("flexkv store: pool %s failed to start", name, exc_info=True)
+
+    def _poll(self, client: str, task_id: int) -> Status:
+        entry = self._tasks.get((client, task_id))
+        if entry is None:
+            return Status.FAILED  # unknown: lost (e.g. the store restarted)
+        pool_name, task = entry
+        response = self._pools[pool_name].manager.try_wait([task.flexkv_id]).get(task.flexkv_id)
+        status = _status_of(response, task)
+        if status.done:
+            del self._tasks[(client, task_id)]
+            self._counters[f"task_{status.value.lower()}"] += 1
+        return status
+
+    def _cancel(self, client: str, task_ids: list[int]) -> None:
         for task_id in task_ids:
-            response = responses.get(task_id)
-            if response is None:
-                out[task_id] = missing
-                continue
-            name = getattr(getattr(response, "status", None), "name", "FAILED")
-            out[task_id] = Status.__members__.get(name, Status.FAILED)
-        return out
+            entry = self._tasks.get((client, task_id))
+            if entry is not None:
+                self._pools[entry[0]].manager.cancel([entry[1].flexkv_id])
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _token_mask_and_slots(num_tokens: int, seq_pages: np.ndarray, pool_pages: np.ndarray, page_size: int,
+                          num_pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """FlexKV's (token_mask, slot_mapping) for whole pages: slots in token order."""
+    if seq_pages.shape != pool_pages.shape:
+        raise ValueError("seq_pages/pool_pages: expected the same length")
+    num_full = num_tokens // page_size
+    if seq_pages.size and (seq_pages.min() < 0 or seq_pages.max() >= num_full):
+        raise ValueError(f"seq_pages: expected page indices in [0, {num_full})")
+    if pool_pages.size and (pool_pages.min() < 0 or pool_pages.max() >= num_pool_pages):
+        raise ValueError(f"pool_pages: expected pool page ids in [0, {num_pool_pages})")
+    order = np.argsort(seq_pages, kind="stable")
+    mask = np.zeros(num_tokens, dtype=bool)
+    for page in seq_pages:
+        mask[page * page_size:(page + 1) * page_size] = True
+    slots = (pool_pages[order][:, None] * page_size + np.arange(page_size)).reshape(-1)  # [pages * S]
+    return mask, slots.astype(np.int64)
+
+
+def _status_of(response: Any, task: _Task) -> Status:
+    if response is None:
+        return Status.UNREADY
+    status = Status.__members__.get(getattr(response.status, "name", ""), Status.FAILED)
+    if status is Status.TIMEOUT:
+        return Status.UNREADY
+    if status is Status.NOTFOUND and task.kind is Op.PUT:
+        return Status.FAILED
+    if status is Status.SUCCESS and task.kind is Op.GET:
+        moved = 0 if response.return_mask is None else int(np.asarray(response.return_mask, dtype=bool).sum())
+        if moved < task.tokens_asked:
+            return Status.NOTFOUND
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvlifecycle.store.flexkv",
+                                description="Run the FlexKV host store until SIGTERM/SIGINT.")
+    p.add_argument("--endpoint", required=True, help="ipc://PATH (its directory is made 0700)")
+    p.add_argument("--dram-bytes", type=int, default=2 << 30, help="FlexKV's CPU tier per pool, bytes")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = FlexKVStoreServer(a.endpoint, a.dram_bytes)
+    except (RuntimeError, ValueError) as e:
+        print(f"python -m kvlifecycle.store.flexkv: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

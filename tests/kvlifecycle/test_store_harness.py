@@ -159,50 +159,6 @@ class MooncakeHarness:
             self.master.stop()
 
 
-class FlexKVHarness:
-    """FlexKV's ``KVManager`` in this process, through our ``flexkv`` backend (UNVERIFIED: that
-    adapter is written against a guessed FlexKV API and has never run, issue 14). It runs
-    wherever ``import flexkv`` works, so a FlexKV build meets the conformance cases; they are
-    expected to fail until the adapter is written against FlexKV's real API. The manager lives in
-    this process: there is no server to kill, and no copy-delay hook (those cases skip)."""
-
-    kind = "flexkv"
-    has_lru = False  # FlexKV evicts by its own policy, not our byte-capacity LRU
-
-    def __init__(self, pool: PagePool, capacity_pages: int | None = None, copy_delay_s: float = 0.0,
-                 disk_dir: Path | None = None, dedicated: bool = False) -> None:
-        if copy_delay_s > 0:
-            pytest.skip("flexkv: no copy-delay hook to hold a task in flight")
-        if disk_dir is not None:
-            pytest.skip("flexkv: the disk tier is FlexKV's (enable_ssd), not exercised here")
-        from flexkv.common.config import CacheConfig, ModelConfig
-
-        self.pool = pool
-        self.ns = f"{NS}-{uuid.uuid4().hex[:8]}"
-        self.clients: list[HostStoreClient] = []
-        self.model_config = ModelConfig(num_layers=SPEC.num_layers, num_kv_heads=SPEC.num_heads,
-                                        head_size=SPEC.head_dim, dtype=SPEC.torch_dtype)
-        self.cache_config = CacheConfig(tokens_per_block=SPEC.page_size, enable_cpu=True,
-                                        num_cpu_blocks=capacity_pages or 64)
-
-    def start(self) -> None:
-        pytest.skip("flexkv: the manager runs in this process; there is no store process to restart")
-
-    def kill(self) -> None:
-        pytest.skip("flexkv: the manager runs in this process; there is no store process to kill")
-
-    def client(self, **cfg: Any) -> HostStoreClient:
-        client = open_store("flexkv", page_size=SPEC.page_size, model_config=self.model_config,
-                            cache_config=self.cache_config, **cfg)
-        self.clients.append(client)
-        assert client.register_pool(self.pool.handle()), "flexkv: register_pool failed"
-        return client
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-
-
 def close_shared_stores() -> None:
     proc = _SHARED_EMBEDDED.pop("proc", None)
     if proc is not None:
@@ -227,16 +183,10 @@ def mooncake_skip_reason() -> str | None:
 
 
 def backend_params() -> list[Any]:
-    from kvlifecycle.store.flexkv import flexkv_unavailable_reason
-
     params = [pytest.param(EmbeddedHarness, id="embedded")]
     reason = mooncake_skip_reason()
     params.append(pytest.param(MooncakeHarness, id="mooncake",
                                marks=[pytest.mark.skipif(reason is not None, reason=str(reason))]))
-    flexkv_reason = flexkv_unavailable_reason()
-    params.append(pytest.param(FlexKVHarness, id="flexkv", marks=[pytest.mark.skipif(
-        flexkv_reason is not None,
-        reason=f"flexkv cases run only where `import flexkv` works; here: {flexkv_reason}")]))
     return params
 
 
