@@ -13,26 +13,24 @@ import argparse
 import json
 import os
 import platform
-import re
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
 from deploy.client import ROUTE_HEADER, check_scores, replay
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig
-from deploy.runtime.schema import ENSEMBLE
+from deploy.metrics import scrape
+from deploy.runtime.schema import ENSEMBLE, LOOKUP
 from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate
 
 
 def lookup_outcomes(metrics_url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    out = {}
-    for m in re.finditer(r'^hstu_kv_lookups_total\{model="kv_lookup_alloc",outcome="(\w+)"\} (\S+)$', text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    """kv_lookup_alloc's lookups so far, by outcome (device_hit, host_hit, miss)."""
+    metrics = scrape(metrics_url, timeout_s=5)
+    return {outcome: metrics.value("hstu_kv_lookups_total", model=LOOKUP, outcome=outcome)
+            for outcome in ("device_hit", "host_hit", "miss")}
 
 
 def run(num_servers: int, trace_config: TraceConfig, concurrency: int, base_port: int) -> dict:

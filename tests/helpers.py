@@ -3,20 +3,22 @@ tritonserver reports (Prometheus metrics, per-model statistics).
 
 - `wait_for(predicate, timeout_s, what)`: poll until `predicate()` is true; fail with `what` at the
   deadline. Use it instead of a fixed sleep wherever a test waits for a metric or a state.
-- `metric(server, name, **labels)`: the sum of the series `name` whose labels include `labels`;
-  fails when no such series exists (a renamed or missing series must not read as 0).
+- `metric(server, name, **labels)`: the sum of the series `name` whose labels include `labels`
+  (`deploy.metrics`, the reader the tools use too); raises `MissingSeries` when no such series
+  exists (a renamed or missing series must not read as 0).
 - `ModelStats.read(server, model)`: `/v2/models/<model>/stats`: request counts, executions, and
   the dynamic batcher's batch sizes; subtract two reads for what happened in between.
 """
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
+
+from deploy.metrics import scrape
 
 T = TypeVar("T")
 
@@ -38,16 +40,8 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str | Callable[
 
 def metric(server, name: str, **labels: str) -> float:
     """Sum of the Prometheus series `name` (on `server.metrics_url`) whose labels include
-    `labels`; AssertionError when the metrics port shows no such series."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    total, found = 0.0, 0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-            found += 1
-    assert found, f"no series {name}{labels or ''} on {server.metrics_url}"
-    return total
+    `labels`; `MissingSeries` when the metrics port shows no such series."""
+    return scrape(server.metrics_url, timeout_s=5).value(name, **labels)
 
 
 @dataclass

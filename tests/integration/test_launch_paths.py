@@ -13,14 +13,12 @@ then checks that no process of the tree it saw is left.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import stat
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +27,7 @@ import pytest
 
 from deploy.client import check_scores, replay
 from deploy.launcher import build_model, wait_until_ready
+from deploy.metrics import scrape
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, RankingRequest
 from deploy.runtime.settings import DEFAULT_MODEL_DIR, default_run_dir
 from deploy.trace import TraceConfig, generate
@@ -97,12 +96,7 @@ def tail(path: Path, lines: int = 60) -> str:
 
 
 def kv_metric(metrics_port: int, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{name}\{{(.*)\}} (\S+)$", text, re.MULTILINE):
-        if all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return scrape(f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=5).value(name, **labels)
 
 
 def served_ok(trace: list[RankingRequest], grpc_port: int, model: str = ENSEMBLE, concurrency: int = 1) -> None:
