@@ -7,6 +7,8 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 
 - ``commit(lease_id) -> list[OffloadItem]``: the lease's new full pages become visible; the
   returned pages are pinned until ``offload_done``.
+- ``commit_many(lease_ids) -> list[Committed]``: the same for a batch in one round trip; each
+  names the lease's namespace with its pages.
 - ``offload_done(page_ids, ok) -> int``: drop offload pins (after the put was reaped).
 - ``abort(lease_id) -> bool``: return every page of a lease (failure, cancellation).
 - ``stats() -> dict`` and ``ping()``.
@@ -15,7 +17,7 @@ Promises: the server applies requests one at a time in arrival order, on its own
 calls ``manager.expire_leases()`` at least every ``expire_interval_s`` (between requests when
 busy, on poll timeouts when idle). Messages are single-frame JSON, never pickle::
 
-    request: {"id": int, "op": "commit"|"offload_done"|"abort"|"stats"|"ping", "args": {...}}
+    request: {"id": int, "op": "commit"|"commit_many"|"offload_done"|"abort"|"stats"|"ping", "args": {...}}
     reply:   {"id": int, "status": ControlStatus value, "result": ..., "error": str}
 
 A client call raises ``ControlTimeout`` when no reply came within ``timeout_s`` (the server
@@ -39,7 +41,7 @@ from typing import Any, Sequence
 import zmq
 
 from kvlifecycle.manager import KVCacheManager
-from kvlifecycle.page_table import OffloadItem
+from kvlifecycle.page_table import Committed, OffloadItem
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +192,11 @@ class ControlServer:
         mgr = self.manager
         if op == "commit":
             return [item.to_json() for item in mgr.commit(_int(args["lease_id"]))]
+        if op == "commit_many":
+            lease_ids = args["lease_ids"]
+            if not isinstance(lease_ids, list):
+                raise TypeError(f"'lease_ids': expected a list, got {type(lease_ids).__name__}")
+            return [c.to_json() for c in mgr.commit_many([_int(i) for i in lease_ids])]
         if op == "offload_done":
             pages = args["page_ids"]
             if not isinstance(pages, list):
@@ -201,7 +208,7 @@ class ControlServer:
             return mgr.stats()
         if op == "ping":
             return "pong"
-        raise ValueError(f"unknown op {op!r}; expected commit, offload_done, abort, stats or ping")
+        raise ValueError(f"unknown op {op!r}; expected commit, commit_many, offload_done, abort, stats or ping")
 
 
 class ControlClient:
@@ -221,6 +228,9 @@ class ControlClient:
 
     def commit(self, lease_id: int) -> list[OffloadItem]:
         return [OffloadItem.from_json(d) for d in self._call("commit", {"lease_id": int(lease_id)})]
+
+    def commit_many(self, lease_ids: Sequence[int]) -> list[Committed]:
+        return [Committed.from_json(d) for d in self._call("commit_many", {"lease_ids": [int(i) for i in lease_ids]})]
 
     def offload_done(self, page_ids: Sequence[int], ok: bool) -> int:
         return int(self._call("offload_done", {"page_ids": [int(p) for p in page_ids], "ok": bool(ok)}))

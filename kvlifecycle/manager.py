@@ -10,7 +10,19 @@ Call order for one request (ARCHITECTURE.md)::
     ... compute reads [0, alloc.cached_len) and writes [alloc.cached_len, num_tokens) ...
     items = mgr.commit(alloc.lease_id)                  # list[OffloadItem], pinned for offload
     # or mgr.abort(alloc.lease_id); a lease not committed in ttl_s expires (expire_leases)
-    offloader.launch(token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
+    offloader.launch(hit.namespace, token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
+
+and for a batch of requests (one table lock per step for the whole batch, one store wait for
+every onboard of the batch; per-request outcomes, never one exception for the batch)::
+
+    hits   = mgr.lookup_many([(user_id, token_ids), ...])   # list[LookupResult]
+    allocs = mgr.allocate_many(hits)                        # list[Allocation | PoolExhausted]
+    allocs = mgr.onboard_many(allocs)                       # list[Allocation | LeaseGone | PoolExhausted]
+    done   = mgr.commit_many(lease_ids)                     # list[Committed]
+
+The request's namespace, page keys and token ids are fixed once, by ``lookup``: the
+``LookupResult`` carries them into ``allocate``, the lease keeps them, and ``commit`` returns the
+namespace with the pages to offload. Nothing after ``lookup`` hashes the chain again.
 
 Promises:
 - Content addressing (invariant 2 of docs/ARCHITECTURE.md): pages are found only by chain keys over the
@@ -34,13 +46,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
-from kvlifecycle.page_table import Allocation, OffloadItem, PageTable, PoolExhausted
+from kvlifecycle.page_table import Allocation, Committed, OffloadItem, PageTable, PoolExhausted, ReserveAsk
 from kvlifecycle.pool import PoolSpec, slots_for_pages
 
 if TYPE_CHECKING:
@@ -50,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Allocation",
+    "Committed",
     "KVCacheManager",
     "LeaseGone",
     "LookupResult",
@@ -63,20 +77,26 @@ HOST_HIT = "host_hit"
 MISS = "miss"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LookupResult:
     """Where a request's prefix is cached. ``device_tokens`` are on device now (committed
     pages ``device_pages``); ``host_tokens`` follow them in the host store. Both are whole
     pages. ``outcome`` is ``host_hit`` when onboarding is needed, else ``device_hit`` or
-    ``miss``."""
+    ``miss``. ``namespace``, ``tokens`` and ``keys`` are the request's, fixed here once and
+    carried into its lease by ``allocate``."""
 
     user_id: int
-    num_tokens: int
-    keys: tuple[bytes, ...]
+    namespace: str
+    tokens: np.ndarray  # int64 [num_tokens]
+    keys: tuple[bytes, ...]  # chain keys of the full pages of ``tokens`` in ``namespace``
     device_tokens: int
     host_tokens: int
     device_pages: tuple[int, ...]
     store_error: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
 
     @property
     def cached_tokens(self) -> int:
@@ -121,44 +141,63 @@ class KVCacheManager:
     def lookup(self, user_id: int, token_ids: TokenIds) -> LookupResult:
         """The cached prefix of ``token_ids``: device pages first, then the host store for
         the following full pages. Never raises for the store (errors count as a miss)."""
-        tokens = tokens_as_int64(token_ids)
-        keys = tuple(page_keys(tokens, self.namespace, self.page_size))
-        device = self.table.match_prefix(keys)
-        host_pages, store_error = 0, False
-        if self.store is not None and len(device) < len(keys):
-            host_pages, store_error = self._host_match(tokens[: len(keys) * self.page_size])
-        result = LookupResult(
-            user_id=int(user_id),
-            num_tokens=int(tokens.size),
-            keys=keys,
-            device_tokens=len(device) * self.page_size,
-            host_tokens=max(0, host_pages - len(device)) * self.page_size,
-            device_pages=tuple(device),
-            store_error=store_error,
-        )
-        self.table.count(f"lookups_{result.outcome}")
-        return result
+        return self.lookup_many([(user_id, token_ids)])[0]
+
+    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[LookupResult]:
+        """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
+        the host store is asked (one ``get_match`` each: its API matches one sequence) only for
+        requests with full pages beyond their device prefix."""
+        tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
+        chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
+        devices = self.table.match_prefixes(chains)
+        results = []
+        for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
+            host_pages, store_error = 0, False
+            if self.store is not None and len(device) < len(keys):
+                host_pages, store_error = self._host_match(request_tokens[: len(keys) * self.page_size])
+            results.append(LookupResult(
+                user_id=int(user_id),
+                namespace=self.namespace,
+                tokens=request_tokens,
+                keys=keys,
+                device_tokens=len(device) * self.page_size,
+                host_tokens=max(0, host_pages - len(device)) * self.page_size,
+                device_pages=tuple(device),
+                store_error=store_error,
+            ))
+        for outcome, n in Counter(r.outcome for r in results).items():
+            self.table.count(f"lookups_{outcome}", n)
+        return results
 
     def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
                  ttl_s: float | None = None) -> Allocation:
         """Reserve pages for the request under a new lease. The device prefix is matched again
         (it may have changed since ``hit``); host pages of ``hit`` beyond it are reserved for
-        onboarding. Raises ``PoolExhausted`` without changing anything."""
-        tokens = tokens_as_int64(token_ids)
+        onboarding. With ``hit`` its keys are used as they are (``token_ids`` must be the
+        same request's); without one (no lookup made) the keys are computed here. Raises
+        ``PoolExhausted`` without changing anything."""
         if hit is None:
-            keys = tuple(page_keys(tokens, self.namespace, self.page_size))
-            host_pages = 0
-        else:
-            if hit.num_tokens != tokens.size or hit.user_id != int(user_id):
-                raise ValueError(
-                    f"allocate: hit is for user {hit.user_id} with {hit.num_tokens} tokens, got "
-                    f"user {user_id} with {tokens.size} tokens"
-                )
-            keys = hit.keys
-            host_pages = hit.cached_tokens // self.page_size
+            hit = self._unlooked(int(user_id), tokens_as_int64(token_ids))
+        elif hit.user_id != int(user_id) or hit.num_tokens != len(token_ids):
+            raise ValueError(
+                f"allocate: hit is for user {hit.user_id} with {hit.num_tokens} tokens, got "
+                f"user {user_id} with {len(token_ids)} tokens"
+            )
+        result = self.allocate_many([hit], ttl_s)[0]
+        if isinstance(result, PoolExhausted):
+            raise result
+        return result
+
+    def allocate_many(self, hits: Sequence[LookupResult],
+                      ttl_s: float | None = None) -> list[Allocation | PoolExhausted]:
+        """``allocate`` of each looked-up request, in order, under one table lock. A request the
+        pool cannot hold gets its ``PoolExhausted`` in its place and changes nothing."""
         ttl = self.lease_ttl_s if ttl_s is None else ttl_s
-        return self.table.reserve(int(user_id), keys, int(tokens.size), host_pages, ttl,
-                                  tokens=tokens if host_pages else None)
+        return self.table.reserve_many([
+            ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
+                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl)
+            for hit in hits
+        ])
 
     def onboard(self, alloc: Allocation, timeout_s: float | None = None) -> Allocation:
         """Copy the host-hit pages into the reserved pages and wait. On any store failure the
@@ -180,15 +219,14 @@ class KVCacheManager:
             return None
         S = self.page_size
         start, stop = lease.num_device * S, (lease.num_device + lease.num_onboard) * S
-        assert lease.tokens is not None and lease.tokens.size >= stop, (
-            f"onboard_launch: lease {lease_id} expected its token ids (>= {stop}), got "
-            f"{None if lease.tokens is None else lease.tokens.size}"
+        assert lease.tokens.size >= stop, (
+            f"onboard_launch: lease {lease_id} expected its token ids (>= {stop}), got {lease.tokens.size}"
         )
         mask = np.zeros(stop, dtype=bool)
         mask[start:stop] = True
         slots = slots_for_pages(lease.page_row[lease.num_device: lease.num_device + lease.num_onboard], S)
         try:
-            task = self.store.get_async(lease.tokens[:stop], slots, self.namespace, mask)
+            task = self.store.get_async(lease.tokens[:stop], slots, lease.namespace, mask)
         except Exception:
             logger.warning("host store get_async failed for lease %d; recomputing %d pages",
                            lease_id, lease.num_onboard, exc_info=True)
@@ -200,36 +238,48 @@ class KVCacheManager:
     def onboard_wait(self, lease_id: int, task: int | None,
                      timeout_s: float | None = None) -> Allocation:
         """Finish an onboard started by ``onboard_launch`` and return the final allocation."""
-        lease = self.table.get_lease(lease_id)
-        if lease is None:
-            raise LeaseGone(f"onboard_wait: lease {lease_id} is unknown (aborted or expired)")
-        if lease.onboarded or not lease.onboarding:
-            return self._finish(lease_id, 0, None)
-        ok_pages, in_flight = 0, None
-        if task is not None:
-            status = self._wait_one(task, self.store_timeout_s if timeout_s is None else timeout_s)
-            if status == "SUCCESS":
-                ok_pages = lease.num_onboard
-            elif status in ("TIMEOUT", "UNREADY"):
-                in_flight = task
-                self._cancel(task)
-                logger.warning("host store onboard of lease %d timed out; recomputing %d pages",
-                               lease_id, lease.num_onboard)
-                self.table.count("store_timeouts")
-            else:
-                logger.warning("host store onboard of lease %d ended %s; recomputing %d pages",
-                               lease_id, status, lease.num_onboard)
-                self.table.count("store_errors" if status == "FAILED" else "onboard_misses")
-        return self._finish(lease_id, ok_pages, in_flight)
+        statuses = {} if task is None else self._wait(
+            [task], self.store_timeout_s if timeout_s is None else timeout_s)
+        return self._settle_onboard(lease_id, task, statuses.get(task))
+
+    def onboard_many(self, allocs: Sequence[Allocation | PoolExhausted], timeout_s: float | None = None
+                     ) -> list[Allocation | PoolExhausted | LeaseGone]:
+        """``onboard`` of each allocation of a batch: every copy is launched, then one store
+        ``wait`` covers them all. A ``PoolExhausted`` in the input stays in its place; a lease
+        that was aborted meanwhile, or has no pages left to recompute into, gets its exception
+        in its place."""
+        tasks = {a.lease_id: self.onboard_launch(a.lease_id) for a in allocs
+                 if isinstance(a, Allocation) and not a.onboarded}
+        in_flight = [t for t in tasks.values() if t is not None]
+        statuses = self._wait(in_flight, self.store_timeout_s if timeout_s is None else timeout_s) if in_flight else {}
+        out: list[Allocation | PoolExhausted | LeaseGone] = []
+        for alloc in allocs:
+            if not isinstance(alloc, Allocation) or alloc.onboarded:
+                out.append(alloc)
+                continue
+            task = tasks[alloc.lease_id]
+            try:
+                out.append(self._settle_onboard(alloc.lease_id, task, statuses.get(task)))
+            except (LeaseGone, PoolExhausted) as e:
+                out.append(e)
+        return out
 
     def commit(self, lease_id: int) -> list[OffloadItem]:
         """Make the lease's new full pages visible; returns those to offload (pinned until
         ``offload_done``). An unknown (expired/aborted) lease commits nothing: []."""
-        items = self.table.commit(lease_id, offload=self.offload_enabled)
-        if items is None:
-            logger.warning("commit of unknown lease %d (expired or aborted); nothing cached", lease_id)
-            return []
-        return items
+        return list(self.commit_many([lease_id])[0].items)
+
+    def commit_many(self, lease_ids: Sequence[int]) -> list[Committed]:
+        """``commit`` of each lease, under one table lock. Each ``Committed`` names the lease's
+        namespace (the one its keys were made in) with its pages to offload; an unknown lease
+        commits nothing (no items)."""
+        out = []
+        for lease_id, committed in zip(lease_ids, self.table.commit_many(lease_ids, offload=self.offload_enabled)):
+            if committed is None:
+                logger.warning("commit of unknown lease %d (expired or aborted); nothing cached", lease_id)
+                committed = Committed(lease_id, self.namespace, ())
+            out.append(committed)
+        return out
 
     def abort(self, lease_id: int) -> bool:
         """Return every page of the lease; False when it is unknown."""
@@ -276,15 +326,46 @@ class KVCacheManager:
         prefix = int(misses[0]) if misses.size else int(mask.size)
         return prefix // self.page_size, False
 
-    def _wait_one(self, task: int, timeout_s: float) -> str:
+    def _wait(self, tasks: list[int], timeout_s: float) -> dict[int, str]:
+        """Each task's status name, from one store ``wait``; TIMEOUT for every task when the
+        wait itself failed (the copies may still run: their pages are quarantined)."""
         try:
-            statuses = self.store.wait([task], timeout_s)
-            status = statuses.get(task, "FAILED")
+            statuses = self.store.wait(tasks, timeout_s)
         except Exception:
-            logger.warning("host store wait failed for task %s", task, exc_info=True)
+            logger.warning("host store wait failed for tasks %s", tasks, exc_info=True)
             self.table.count("store_errors")
-            return "TIMEOUT"  # the copy may still run: quarantine its pages
-        return str(getattr(status, "value", status))
+            return {task: "TIMEOUT" for task in tasks}
+        return {task: str(getattr(statuses.get(task, "FAILED"), "value", statuses.get(task, "FAILED")))
+                for task in tasks}
+
+    def _settle_onboard(self, lease_id: int, task: int | None, status: str | None) -> Allocation:
+        """End a lease's onboard given its store task's final ``status`` (None: no task)."""
+        lease = self.table.get_lease(lease_id)
+        if lease is None:
+            raise LeaseGone(f"onboard_wait: lease {lease_id} is unknown (aborted or expired)")
+        if lease.onboarded or not lease.onboarding:
+            return self._finish(lease_id, 0, None)
+        ok_pages, in_flight = 0, None
+        if task is not None:
+            if status == "SUCCESS":
+                ok_pages = lease.num_onboard
+            elif status in ("TIMEOUT", "UNREADY"):
+                in_flight = task
+                self._cancel(task)
+                logger.warning("host store onboard of lease %d timed out; recomputing %d pages",
+                               lease_id, lease.num_onboard)
+                self.table.count("store_timeouts")
+            else:
+                logger.warning("host store onboard of lease %d ended %s; recomputing %d pages",
+                               lease_id, status, lease.num_onboard)
+                self.table.count("store_errors" if status == "FAILED" else "onboard_misses")
+        return self._finish(lease_id, ok_pages, in_flight)
+
+    def _unlooked(self, user_id: int, tokens: np.ndarray) -> LookupResult:
+        """The LookupResult of a request allocated without a lookup: nothing cached claimed."""
+        return LookupResult(user_id=user_id, namespace=self.namespace, tokens=tokens,
+                            keys=tuple(page_keys(tokens, self.namespace, self.page_size)),
+                            device_tokens=0, host_tokens=0, device_pages=())
 
     def _cancel(self, task: int) -> None:
         try:
@@ -321,17 +402,17 @@ class LeaseGone(RuntimeError):
 class Offloader:
     """Puts committed pages into the host store and reaps the puts, off the request path.
 
-    ``launch(token_ids, items)`` submits one ``put_async`` for a commit's ``OffloadItem``s and
+    ``launch(namespace, token_ids, items)`` submits one ``put_async`` for a commit's
+    ``OffloadItem``s (under the lease's namespace, ``Committed.namespace``) and
     returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and for each
     finished put calls ``done(page_ids, ok)`` (``KVCacheManager.offload_done`` or
     ``ControlClient.offload_done``) exactly once. A put that cannot be submitted is reported
     ``ok=False`` at once. Puts are reaped in any order; each task's pages are reported together.
     Thread-safe (one lock around the pending table; store calls outside it)."""
 
-    def __init__(self, store: "HostStoreClient", namespace: str, page_size: int,
+    def __init__(self, store: "HostStoreClient", page_size: int,
                  done: Callable[[list[int], bool], object]) -> None:
         self.store = store
-        self.namespace = namespace
         self.page_size = page_size
         self.done = done
         self._lock = threading.Lock()
@@ -339,9 +420,10 @@ class Offloader:
         self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0,
                          "reaps": 0, "reap_latency_s_sum": 0.0}
 
-    def launch(self, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
-        """Submit the put of ``items`` (pages of the request ``token_ids``); the task id, or
-        None when there was nothing to put or the store refused (pages reported failed)."""
+    def launch(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
+        """Submit the put of ``items`` (pages of the request ``token_ids``, keyed in the lease's
+        ``namespace``); the task id, or None when there was nothing to put or the store refused
+        (pages reported failed)."""
         if not items:
             return None
         tokens = tokens_as_int64(token_ids)
@@ -356,7 +438,7 @@ class Offloader:
             mask = np.zeros(end, dtype=bool)
             for it in items:
                 mask[it.prefix_len - S: it.prefix_len] = True
-            task = self.store.put_async(tokens[:end], slots_for_pages(page_ids, S), self.namespace, mask)
+            task = self.store.put_async(tokens[:end], slots_for_pages(page_ids, S), namespace, mask)
         except Exception:
             logger.warning("host store put_async failed for %d pages", len(page_ids), exc_info=True)
             self.counters["submit_errors"] += 1

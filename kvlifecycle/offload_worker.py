@@ -4,8 +4,8 @@ Used by a process that does not own the page table (kv_offload). Call order:
 
     worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
-    items = control.commit(lease_id)              # per finished request: pages pinned for offload
-    worker.submit(token_ids, items)               # returns at once
+    done = control.commit_many(lease_ids)         # per batch of finished requests: pages pinned for offload
+    worker.submit(c.namespace, token_ids, c.items)  # per Committed c; returns at once
     ...
     left = worker.stop(flush_timeout_s)           # put what is queued, wait for every put
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Sequence
 
 from kvlifecycle.hashing import TokenIds
 from kvlifecycle.manager import Offloader
@@ -30,7 +31,7 @@ _STOP = object()
 
 
 class OffloadWorker:
-    def __init__(self, control, store, page_bytes: int, namespace: str, page_size: int,
+    def __init__(self, control, store, page_bytes: int, page_size: int,
                  reap_interval_s: float = 0.005) -> None:
         self.control = control
         self.store = store
@@ -39,15 +40,16 @@ class OffloadWorker:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
-        self.offloader = (Offloader(store, namespace, page_size, self._done) if store is not None else None)
+        self.offloader = (Offloader(store, page_size, self._done) if store is not None else None)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, token_ids: TokenIds, items: list[OffloadItem]) -> None:
-        """Queue the committed pages `items` of the request `token_ids` for offload; never blocks."""
+    def submit(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
+        """Queue the committed pages `items` of the request `token_ids` (keyed in the lease's
+        `namespace`) for offload; never blocks."""
         if items:
-            self._queue.put((token_ids, items))
+            self._queue.put((namespace, token_ids, items))
 
     def stop(self, flush_timeout_s: float) -> int:
         """Put every queued page, wait up to `flush_timeout_s` for every put; returns the
@@ -84,11 +86,11 @@ class OffloadWorker:
             if self.offloader is not None:
                 self.offloader.reap()
 
-    def _put(self, token_ids: TokenIds, items: list[OffloadItem]) -> None:
+    def _put(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
         if self.offloader is None:
             self._done([it.page_id for it in items], False)
         else:
-            self.offloader.launch(token_ids, items)
+            self.offloader.launch(namespace, token_ids, items)
 
     def _done(self, page_ids: list[int], ok: bool) -> None:
         if ok:

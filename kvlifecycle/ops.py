@@ -23,6 +23,10 @@ the owner, a ``ControlClient`` elsewhere) and submits the put through the regist
 ``Offloader``; without one the pages are reported not offloaded at once. ``allocate`` raises
 ``PoolExhausted`` like ``KVCacheManager.allocate``.
 
+The ops are the single-request lifecycle as a traceable graph; the Triton models do not use
+them (kv_lookup_alloc serves whole batches through ``KVCacheManager.*_many``). A lookup's keys
+cannot cross an op boundary (tensors only), so ``allocate`` hashes the chain again here.
+
 Every op has a fake (meta) implementation, so ``torch.export`` traces graphs that call them.
 The ops have side effects but are declared functional (``mutates_args=()``): a traced graph
 must use each op's output (as the call order above does) so that it is neither dropped nor
@@ -98,7 +102,8 @@ def allocate(handle: int, user_id: torch.Tensor, token_ids: torch.Tensor, hit: t
     device_tokens, host_tokens = (int(v) for v in hit.tolist())
     result = LookupResult(
         user_id=uid,
-        num_tokens=int(tokens.size),
+        namespace=mgr.namespace,
+        tokens=tokens,
         keys=tuple(page_keys(tokens, mgr.namespace, page_size)),
         device_tokens=device_tokens,
         host_tokens=host_tokens,
@@ -127,12 +132,12 @@ def onboard_wait(handle: int, meta: torch.Tensor, task: torch.Tensor, timeout_s:
 @torch.library.custom_op("kvlifecycle::offload_launch", mutates_args=())
 def offload_launch(handle: int, meta: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     entry = registered(handle)
-    items = entry.manager.commit(int(meta[0]))
-    if items and entry.offloader is None:
-        entry.manager.offload_done([it.page_id for it in items], False)
-    elif items:
-        entry.offloader.launch(token_ids, items)
-    return torch.tensor([len(items)], dtype=torch.int64)
+    committed = entry.manager.commit_many([int(meta[0])])[0]
+    if committed.items and entry.offloader is None:
+        entry.manager.offload_done([it.page_id for it in committed.items], False)
+    elif committed.items:
+        entry.offloader.launch(committed.namespace, token_ids, committed.items)
+    return torch.tensor([len(committed.items)], dtype=torch.int64)
 
 
 @torch.library.custom_op("kvlifecycle::offload_reap", mutates_args=())

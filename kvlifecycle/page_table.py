@@ -13,10 +13,13 @@ Every page of the pool is in exactly one state:
 Operations, in the order a request calls them (invariant 3 of docs/ARCHITECTURE.md):
 
 1. ``match_prefix(keys)``: the committed pages of the longest prefix of ``keys`` (no state
-   change).
-2. ``reserve(...) -> Lease``: pins the device prefix (refs + 1), takes pages for the host-hit
+   change); ``match_prefixes`` for a batch.
+2. ``reserve(...) -> Allocation``: pins the device prefix (refs + 1), takes pages for the host-hit
    pages and every new token (free list first, then LRU eviction, oldest first). Raises
-   ``PoolExhausted`` when that is impossible, changing nothing.
+   ``PoolExhausted`` when that is impossible, changing nothing. The lease keeps what the
+   request's lookup fixed: its namespace, page keys and token ids (nothing later re-hashes).
+   ``reserve_many(asks)`` does the same for a batch under one lock acquisition; a request that
+   does not fit gets its ``PoolExhausted`` in its place, the others their allocations.
 3. optional ``begin_onboard`` / ``finish_onboard(ok_pages)``: while an onboard is in flight the
    lease neither expires nor is released by ``abort`` (the abort is deferred to
    ``finish_onboard``), so the store never writes into a page someone else owns.
@@ -25,6 +28,8 @@ Operations, in the order a request calls them (invariant 3 of docs/ARCHITECTURE.
    their keys (a key committed meanwhile keeps the existing page; ours is freed), the
    partial last page is freed, read pins are dropped. Pages not known to be in the host
    tier are pinned for offload and returned.
+   ``commit_many(lease_ids) -> list[Committed]`` commits a batch under one lock acquisition;
+   each ``Committed`` carries the lease's namespace with its pages to offload.
    Or ``abort(lease_id)`` / ``expire(now)``: every page of the lease returns.
 5. ``offload_done(page_ids, ok)``: drops the offload pins. Offload pins also expire (a crashed
    offloader must not leak pages); a late ``offload_done`` for them is ignored.
@@ -51,11 +56,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Allocation",
+    "Committed",
     "Lease",
     "OffloadItem",
     "PageState",
     "PageTable",
     "PoolExhausted",
+    "ReserveAsk",
 ]
 
 
@@ -96,6 +103,38 @@ class OffloadItem:
     @classmethod
     def from_json(cls, data: dict) -> "OffloadItem":
         return cls(int(data["page_id"]), int(data["prefix_len"]), bytes.fromhex(data["key"]))
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed lease: the namespace its keys were made in (fixed at lookup, carried by the
+    lease) and its pages to offload, pinned until ``offload_done``. ``items`` is empty for a
+    lease that was unknown (expired or aborted) or had no new full page."""
+
+    lease_id: int
+    namespace: str
+    items: tuple[OffloadItem, ...]
+
+    def to_json(self) -> dict:
+        return {"lease_id": self.lease_id, "namespace": self.namespace,
+                "items": [item.to_json() for item in self.items]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Committed":
+        return cls(int(data["lease_id"]), str(data["namespace"]),
+                   tuple(OffloadItem.from_json(item) for item in data["items"]))
+
+
+@dataclass(frozen=True)
+class ReserveAsk:
+    """One request of ``reserve_many``: the arguments of ``reserve``."""
+
+    user_id: int
+    namespace: str
+    keys: tuple[bytes, ...]
+    tokens: np.ndarray  # int64 [num_tokens]
+    host_pages: int
+    ttl_s: float
 
 
 @dataclass(frozen=True)
@@ -157,13 +196,14 @@ class Lease:
 
     lease_id: int
     user_id: int
-    keys: tuple[bytes, ...]  # keys of every full page of the request
+    namespace: str  # the request's namespace, fixed at lookup
+    keys: tuple[bytes, ...]  # keys of every full page of the request, hashed once at lookup
+    tokens: np.ndarray  # int64 token ids of the request (the store's get is keyed by them)
     num_tokens: int
     page_row: list[int]
     num_device: int
     num_onboard: int
     expires_at: float
-    tokens: np.ndarray | None = None  # int64 token ids, kept for onboarding
     onboarding: bool = False
     onboarded: bool = False
     abort_requested: bool = False
@@ -208,51 +248,29 @@ class PageTable:
         with self._lock:
             return self._match(keys)
 
-    def reserve(self, user_id: int, keys: Sequence[bytes], num_tokens: int, host_pages: int,
-                ttl_s: float, tokens: np.ndarray | None = None) -> Allocation:
-        """Pin the committed prefix and take pages for the rest; see the module docstring.
-        ``host_pages`` counts pages from position 0 the host store has; those beyond the
-        device prefix are reserved for onboarding."""
-        num_full = num_tokens // self.page_size
-        assert len(keys) == num_full, (
-            f"PageTable.reserve: expected {num_full} keys for {num_tokens} tokens, got {len(keys)}"
-        )
-        num_pages = -(-num_tokens // self.page_size)
+    def match_prefixes(self, key_chains: Sequence[Sequence[bytes]]) -> list[list[int]]:
+        """``match_prefix`` of each chain, under one lock acquisition."""
         with self._lock:
-            device = self._match(keys)
-            d = len(device)
-            h = max(0, min(host_pages, num_full) - d)
-            need = num_pages - d
-            device_set = set(device)
-            evictable = len(self._lru) - sum(1 for p in device if p in self._lru)
-            if need > len(self._free) + evictable:
-                self.counters["pool_exhausted"] += 1
-                raise PoolExhausted(
-                    f"user {user_id}: need {need} free pages ({num_tokens} tokens, {d} pages "
-                    f"cached on device) but only {len(self._free)} are free and {evictable} "
-                    f"evictable of {self.num_pages}; {self._num_pinned()} committed pages are "
-                    f"pinned by leases or offloads and {self._num_leased()} are leased"
-                )
-            for page in device:
-                self._pin(page)
-            lease_id = next(self._lease_ids)
-            taken = [self._take_page(lease_id, device_set) for _ in range(need)]
-            lease = Lease(
-                lease_id=lease_id,
-                user_id=user_id,
-                keys=tuple(keys),
-                num_tokens=num_tokens,
-                page_row=device + taken,
-                num_device=d,
-                num_onboard=h,
-                expires_at=self.clock() + ttl_s,
-                tokens=tokens,
-                onboarded=h == 0,
-            )
-            self._leases[lease_id] = lease
-            self.counters["allocations"] += 1
-            self.counters["cached_tokens_served"] += d * self.page_size
-            return self._allocation(lease)
+            return [self._match(keys) for keys in key_chains]
+
+    def reserve(self, ask: ReserveAsk) -> Allocation:
+        """Pin the committed prefix and take pages for the rest; see the module docstring.
+        ``ask.host_pages`` counts pages from position 0 the host store has; those beyond the
+        device prefix are reserved for onboarding."""
+        with self._lock:
+            return self._reserve(ask)
+
+    def reserve_many(self, asks: Sequence[ReserveAsk]) -> list[Allocation | PoolExhausted]:
+        """``reserve`` of each ask in order, under one lock acquisition. A request the pool
+        cannot hold gets its ``PoolExhausted`` in its place and changes nothing."""
+        out: list[Allocation | PoolExhausted] = []
+        with self._lock:
+            for ask in asks:
+                try:
+                    out.append(self._reserve(ask))
+                except PoolExhausted as e:
+                    out.append(e)
+        return out
 
     def release_quarantine(self, in_flight: object) -> int:
         """Free the pages quarantined for store task ``in_flight`` once it is done."""
@@ -351,55 +369,14 @@ class PageTable:
         (expired or aborted), nothing changed. With ``offload=False`` no page is pinned for
         offload (no host tier)."""
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None:
-                self.counters["commit_unknown_lease"] += 1
-                return None
-            assert not lease.onboarding and lease.onboarded, (
-                f"PageTable.commit: lease {lease_id} committed before its onboard finished "
-                "(caller must run onboard before compute)"
-            )
-            del self._leases[lease_id]
-            items: list[OffloadItem] = []
-            S = self.page_size
-            num_full = lease.num_tokens // S
-            onboard_end = lease.num_device + lease.num_onboard
-            touched: list[int] = []
-            for i in range(lease.num_device, num_full):
-                page = lease.page_row[i]
-                key = lease.keys[i]
-                self._assert_owned(page, lease_id, "commit")
-                existing = self._committed.get(key)
-                if existing is not None:
-                    self.counters["duplicate_pages"] += 1
-                    self._free_page(page)
-                    lease.page_row[i] = existing
-                    continue
-                self._state[page] = PageState.COMMITTED
-                self._owner[page] = 0
-                self._committed[key] = page
-                self._page_key[page] = key
-                self._in_host[page] = i < onboard_end
-                if offload and not self._in_host[page]:
-                    self._pin(page)
-                    self._offload_deadline[page] = self.clock() + self.offload_ttl_s
-                    items.append(OffloadItem(page, (i + 1) * S, key))
-                touched.append(page)
-            if lease.num_tokens % S:
-                page = lease.page_row[num_full]
-                self._assert_owned(page, lease_id, "commit")
-                self._free_page(page)
-            for page in lease.page_row[: lease.num_device]:
-                self._unpin(page)
-            # Most recent use last; page 0 of the chain ends up most recent, so leaves are
-            # evicted before the prefix they hang on.
-            for page in reversed(lease.page_row[:num_full]):
-                if self._refs[page] == 0 and self._state[page] == PageState.COMMITTED:
-                    self._lru.pop(page, None)
-                    self._lru[page] = None
-            self.counters["commits"] += 1
-            self.counters["committed_pages"] += len(touched)
-            return items
+            committed = self._commit(lease_id, offload)
+        return None if committed is None else list(committed.items)
+
+    def commit_many(self, lease_ids: Sequence[int], offload: bool = True) -> list[Committed | None]:
+        """``commit`` of each lease in order, under one lock acquisition; None in the place of
+        an unknown lease."""
+        with self._lock:
+            return [self._commit(lease_id, offload) for lease_id in lease_ids]
 
     def abort(self, lease_id: int) -> bool:
         """Return every page of the lease. False: unknown lease. During an onboard the
@@ -534,6 +511,100 @@ class PageTable:
                 break
             pages.append(page)
         return pages
+
+    def _reserve(self, ask: ReserveAsk) -> Allocation:
+        num_tokens = int(ask.tokens.size)
+        num_full = num_tokens // self.page_size
+        assert len(ask.keys) == num_full, (
+            f"PageTable.reserve: expected {num_full} keys for {num_tokens} tokens, got {len(ask.keys)}"
+        )
+        num_pages = -(-num_tokens // self.page_size)
+        device = self._match(ask.keys)
+        d = len(device)
+        h = max(0, min(ask.host_pages, num_full) - d)
+        need = num_pages - d
+        device_set = set(device)
+        evictable = len(self._lru) - sum(1 for p in device if p in self._lru)
+        if need > len(self._free) + evictable:
+            self.counters["pool_exhausted"] += 1
+            raise PoolExhausted(
+                f"user {ask.user_id}: need {need} free pages ({num_tokens} tokens, {d} pages "
+                f"cached on device) but only {len(self._free)} are free and {evictable} "
+                f"evictable of {self.num_pages}; {self._num_pinned()} committed pages are "
+                f"pinned by leases or offloads and {self._num_leased()} are leased"
+            )
+        for page in device:
+            self._pin(page)
+        lease_id = next(self._lease_ids)
+        taken = [self._take_page(lease_id, device_set) for _ in range(need)]
+        lease = Lease(
+            lease_id=lease_id,
+            user_id=ask.user_id,
+            namespace=ask.namespace,
+            keys=tuple(ask.keys),
+            tokens=ask.tokens,
+            num_tokens=num_tokens,
+            page_row=device + taken,
+            num_device=d,
+            num_onboard=h,
+            expires_at=self.clock() + ask.ttl_s,
+            onboarded=h == 0,
+        )
+        self._leases[lease_id] = lease
+        self.counters["allocations"] += 1
+        self.counters["cached_tokens_served"] += d * self.page_size
+        return self._allocation(lease)
+
+    def _commit(self, lease_id: int, offload: bool) -> Committed | None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            self.counters["commit_unknown_lease"] += 1
+            return None
+        assert not lease.onboarding and lease.onboarded, (
+            f"PageTable.commit: lease {lease_id} committed before its onboard finished "
+            "(caller must run onboard before compute)"
+        )
+        del self._leases[lease_id]
+        items: list[OffloadItem] = []
+        S = self.page_size
+        num_full = lease.num_tokens // S
+        onboard_end = lease.num_device + lease.num_onboard
+        touched: list[int] = []
+        for i in range(lease.num_device, num_full):
+            page = lease.page_row[i]
+            key = lease.keys[i]
+            self._assert_owned(page, lease_id, "commit")
+            existing = self._committed.get(key)
+            if existing is not None:
+                self.counters["duplicate_pages"] += 1
+                self._free_page(page)
+                lease.page_row[i] = existing
+                continue
+            self._state[page] = PageState.COMMITTED
+            self._owner[page] = 0
+            self._committed[key] = page
+            self._page_key[page] = key
+            self._in_host[page] = i < onboard_end
+            if offload and not self._in_host[page]:
+                self._pin(page)
+                self._offload_deadline[page] = self.clock() + self.offload_ttl_s
+                items.append(OffloadItem(page, (i + 1) * S, key))
+            touched.append(page)
+        if lease.num_tokens % S:
+            page = lease.page_row[num_full]
+            self._assert_owned(page, lease_id, "commit")
+            self._free_page(page)
+        for page in lease.page_row[: lease.num_device]:
+            self._unpin(page)
+        # Most recent use last; page 0 of the chain ends up most recent, so leaves are
+        # evicted before the prefix they hang on.
+        for page in reversed(lease.page_row[:num_full]):
+            if self._refs[page] == 0 and self._state[page] == PageState.COMMITTED:
+                self._lru.pop(page, None)
+                self._lru[page] = None
+        self.counters["commits"] += 1
+        self.counters["committed_pages"] += len(touched)
+        return Committed(lease_id, lease.namespace, tuple(items))
 
     def _allocation(self, lease: Lease) -> Allocation:
         return Allocation(

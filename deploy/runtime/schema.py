@@ -4,14 +4,16 @@ Used by the config generator (`deploy/make_configs.py` writes `model_repository/
 by the models' request validators and by the clients. The public interface is the ensemble's
 (README, "Call it"); the rest are the ensemble's internal hops.
 
-    client -> hstu_ranking
-      kv_lookup_alloc (max_batch_size 0, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
-      hstu_compute    (max_batch_size > 0, dynamic batching, ragged): LOOKUP_OUTPUTS -> COMPUTE_OUTPUTS
-      kv_offload      (max_batch_size 0): COMPUTE_OUTPUTS + item/action ids -> scores
-    client -> hstu_monolithic: ENSEMBLE_INPUTS -> ENSEMBLE_OUTPUTS in one call
+    client -> hstu_ranking (max_batch_size 0: the public shapes below, no batch dimension)
+      kv_lookup_alloc (batched, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
+      hstu_compute    (batched): LOOKUP_OUTPUTS -> COMPUTE_OUTPUTS
+      kv_offload      (batched): COMPUTE_OUTPUTS + kv_lookup_alloc's lease_id + item/action ids -> scores
+    client -> hstu_monolithic: ENSEMBLE_INPUTS -> scores in one call
 
-kv_lookup_alloc's outputs carry a leading dimension of 1: it is the batch dimension of the
-batched hstu_compute: Triton requires it of a `max_batch_size: 0` step feeding a batched one.
+The three steps are batched (max_batch_size > 0, dynamic batching, ragged inputs) although the
+ensemble is not: Triton gives a batched step each request of the unbatched ensemble as a batch
+of one (a leading dimension of 1 on every tensor) and strips that dimension from the step's
+outputs that the ensemble returns, so the public shapes stay as they are.
 """
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ def scores_spec(num_tasks: int) -> TensorSpec:
 
 ENSEMBLE_INPUTS = (
     TensorSpec("user_id", "INT64", (1,)),
-    TensorSpec("item_ids", "INT64", (-1,)),
-    TensorSpec("action_ids", "INT64", (-1,)),
-    TensorSpec("candidate_ids", "INT64", (-1,)),
+    TensorSpec("item_ids", "INT64", (-1,), ragged=True),
+    TensorSpec("action_ids", "INT64", (-1,), ragged=True),
+    TensorSpec("candidate_ids", "INT64", (-1,), ragged=True),
 )
 
 # kv_lookup_alloc -> hstu_compute. Shapes as the batched model sees them (batch dim excluded).
@@ -51,18 +53,19 @@ LOOKUP_OUTPUTS = (
     TensorSpec("cached_len", "INT64", (1,)),  # tokens already in the pool (page multiple)
     TensorSpec("page_row", "INT64", (-1,), ragged=True),  # pages covering cached + new tokens
     TensorSpec("candidates", "INT64", (-1,), ragged=True),
-    TensorSpec("lease_id", "INT64", (1,)),
+    TensorSpec("lease_id", "INT64", (1,)),  # the request's lease in the owner; also read by kv_offload
 )
+LEASE_ID = LOOKUP_OUTPUTS[-1]
 
 
 def compute_outputs(num_tasks: int) -> tuple[TensorSpec, ...]:
-    """hstu_compute -> kv_offload (batched: [1, c, num_tasks] and [1, 1] per request)."""
-    return (
-        TensorSpec("candidate_scores", "FP32", (-1, num_tasks)),
-        TensorSpec("done_lease_id", "INT64", (1,)),
-    )
+    """hstu_compute -> kv_offload ([1, c, num_tasks] per request)."""
+    return (TensorSpec("candidate_scores", "FP32", (-1, num_tasks), ragged=True),)
 
-# kv_offload also takes the public history inputs, straight from the ensemble's inputs.
+
+# kv_offload also takes the public history inputs, straight from the ensemble's inputs: the host
+# store's put is keyed by the prefix's token ids (it hashes them itself), so the offload needs
+# them, and Triton hands them over without a copy through the owner.
 OFFLOAD_HISTORY_INPUTS = ENSEMBLE_INPUTS[1:3]
 
 

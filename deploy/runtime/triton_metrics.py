@@ -89,9 +89,10 @@ class StageTimer:
         finally:
             self.add(stage, time.perf_counter() - started)
 
-    def add(self, stage: str, seconds: float) -> None:
-        self._stats[f"stage_{stage}_s_sum"] = self._stats.get(f"stage_{stage}_s_sum", 0.0) + seconds
-        self._stats[f"stage_{stage}_count"] = self._stats.get(f"stage_{stage}_count", 0) + 1
+    def add(self, stage: str, seconds: float, requests: int = 1) -> None:
+        """`requests` requests each spent `seconds` in `stage` (together, as one batch)."""
+        self._stats[f"stage_{stage}_s_sum"] = self._stats.get(f"stage_{stage}_s_sum", 0.0) + seconds * requests
+        self._stats[f"stage_{stage}_count"] = self._stats.get(f"stage_{stage}_count", 0) + requests
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

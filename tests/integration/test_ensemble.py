@@ -14,7 +14,9 @@ import pytest
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.client import ROUTE_HEADER, RankingClient, replay
 from deploy.launcher import Server
-from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC
+from deploy import make_configs
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
+from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 from tests.conftest import start_server
 from tests.helpers import ModelStats, metric, wait_for
@@ -66,19 +68,29 @@ def test_trace_over_8_streams_matches_reference_and_every_repeat_is_a_device_hit
         f"previous request had a full page ({len(trace) - len(previous)} repeat requests)")
 
 
-def test_dynamic_batching_forms_batches_under_concurrent_load(server: Server, reference) -> None:
+def test_committed_configs_are_the_generator_output() -> None:
+    expected = make_configs.render(make_configs.num_tasks_of(DEFAULT_MODEL_DIR))
+    for name, text in expected.items():
+        committed = (DEFAULT_MODEL_REPOSITORY / name / "config.pbtxt").read_text()
+        assert committed == text, f"{name}/config.pbtxt is stale: run `python -m deploy.make_configs`"
+
+
+@pytest.mark.parametrize("step", [LOOKUP, COMPUTE, OFFLOAD])
+def test_every_step_forms_batches_under_concurrent_load(server: Server, reference, step: str) -> None:
+    """kv_lookup_alloc and kv_offload batch like hstu_compute: one execute serves every request
+    queued while the step's one instance was busy."""
     trace = generate(TraceConfig(num_users=48, num_requests=64, seed=7, zipf_a=0.2, initial_events_median=150))
-    before = ModelStats.read(server, COMPUTE)
+    before = ModelStats.read(server, step)
 
     result = replay(trace, server.grpc_url, model=ENSEMBLE, concurrency=16)
 
     assert_matches_reference(trace, result, reference)
-    batched = ModelStats.read(server, COMPUTE) - before
+    batched = ModelStats.read(server, step) - before
     assert batched.inferences == len(trace), batched
     assert sum(size * n for size, n in batched.batches.items()) == batched.inferences, batched
     assert max(batched.batches) > 1 and batched.executions < batched.inferences, (
-        f"hstu_compute ran {batched.inferences} requests at concurrency 16 one by one: {batched}")
-    print(f"hstu_compute at concurrency 16: {batched.inferences} requests in {batched.executions} executions, "
+        f"{step} ran {batched.inferences} requests at concurrency 16 one by one: {batched}")
+    print(f"{step} at concurrency 16: {batched.inferences} requests in {batched.executions} executions, "
           f"batch sizes {dict(sorted(batched.batches.items()))}")
 
 

@@ -164,7 +164,7 @@ def test_changed_namespace_never_hits(tiny_spec, pool, store):
     b = KVCacheManager(tiny_spec, "weights-b", store)
     tokens = list(range(12))
     _, items = serve(a, 1, tokens)
-    Offloader(store, "weights-a", S, a.offload_done).launch(tokens, items)
+    Offloader(store, S, a.offload_done).launch("weights-a", tokens, items)
     assert a.lookup(1, tokens).cached_tokens == 12 and store.pages
     hit = b.lookup(1, tokens)
     assert (hit.outcome, hit.cached_tokens) == ("miss", 0)
@@ -176,8 +176,8 @@ def test_offload_pins_until_done_and_only_new_pages(smgr, store):
     assert [(it.page_id, it.prefix_len) for it in items] == [(alloc.page_row[0], 4), (alloc.page_row[1], 8)]
     assert smgr.stats()["pages_offload_pending"] == 2 and smgr.stats()["pages_pinned"] == 2
 
-    offloader = Offloader(store, "ns", S, smgr.offload_done)
-    offloader.launch(tokens, items)
+    offloader = Offloader(store, S, smgr.offload_done)
+    offloader.launch("ns", tokens, items)
     assert smgr.stats()["pages_offload_pending"] == 2  # launched, not reaped yet
     assert offloader.reap() == 1 and offloader.pending == 0
     assert smgr.stats()["pages_offload_pending"] == 0
@@ -201,8 +201,8 @@ def fill_host(smgr, store, tokens, value=7.0):
     alloc, items = serve(smgr, 1, tokens)
     for page in alloc.page_row[: len(tokens) // S]:
         store.pool[:, page] = value
-    offloader = Offloader(store, "ns", S, smgr.offload_done)
-    offloader.launch(tokens, items)
+    offloader = Offloader(store, S, smgr.offload_done)
+    offloader.launch("ns", tokens, items)
     assert offloader.reap() == 1
     evictor = smgr.allocate(9, list(range(500, 532)))  # evicts everything
     smgr.abort(evictor.lease_id)
@@ -293,3 +293,75 @@ def test_commit_before_onboard_is_a_caller_bug(smgr, store):
     alloc = smgr.allocate(1, tokens, smgr.lookup(1, tokens))
     with pytest.raises(AssertionError, match="before its onboard"):
         smgr.commit(alloc.lease_id)
+
+
+# -- a batch of requests: one lock per step, per-request outcomes, keys hashed once ----------
+
+
+def test_a_batch_that_overflows_the_pool_fails_only_the_requests_that_do_not_fit(mgr):
+    serve(mgr, 1, list(range(8)))  # 2 pages committed
+    requests = [(1, list(range(8)) + [50, 51]),  # device hit: 1 new page
+                (2, list(range(100, 124))),      # 6 pages: more than is left after the first
+                (3, list(range(200, 204)))]      # 1 page
+    before = mgr.stats()
+
+    allocs = mgr.allocate_many(mgr.lookup_many(requests))
+
+    first, too_big, small = allocs
+    assert first.cached_len == 8 and isinstance(too_big, PoolExhausted) and small.cached_len == 0
+    assert "user 2: need 6 free pages" in str(too_big)
+    after = mgr.stats()
+    assert after["allocations"] == before["allocations"] + 2 and after["pool_exhausted"] == 1
+    assert after["lookups_device_hit"] == 1 and after["lookups_miss"] == 1 + 2  # serve's own miss, then 2
+    mgr.check_invariants()
+    done = mgr.commit_many([first.lease_id, small.lease_id])
+    assert [c.lease_id for c in done] == [first.lease_id, small.lease_id]
+    baseline_ok(mgr)
+
+
+def test_lookup_hashes_the_chain_once_and_allocate_reuses_it(mgr, monkeypatch):
+    import kvlifecycle.manager as manager_module
+
+    calls = []
+    real = manager_module.page_keys
+    monkeypatch.setattr(manager_module, "page_keys", lambda *a: calls.append(a) or real(*a))
+    requests = [(1, list(range(10))), (2, list(range(20, 33)))]
+
+    hits = mgr.lookup_many(requests)
+    allocs = mgr.allocate_many(hits)
+
+    assert len(calls) == 2  # one chain per request, at lookup
+    assert [h.keys for h in hits] == [tuple(real(t, "ns", S)) for _, t in requests]
+    assert all(h.namespace == "ns" for h in hits)
+    mgr.commit_many([a.lease_id for a in allocs])
+    assert len(calls) == 2  # commit reads the keys the lease carries
+
+
+def test_commit_many_returns_each_leases_namespace_and_pages(smgr):
+    a = smgr.allocate(1, list(range(8)), smgr.lookup(1, list(range(8))))
+    b = smgr.allocate(2, list(range(100, 103)), smgr.lookup(2, list(range(100, 103))))  # no full page
+
+    done = smgr.commit_many([a.lease_id, 999, b.lease_id])
+
+    assert [(c.lease_id, c.namespace) for c in done] == [(a.lease_id, "ns"), (999, "ns"), (b.lease_id, "ns")]
+    assert [[it.prefix_len for it in c.items] for c in done] == [[4, 8], [], []]
+    assert smgr.stats()["commit_unknown_lease"] == 1
+
+
+def test_onboard_many_waits_once_for_every_copy_and_fails_per_request(smgr, store):
+    fill_host(smgr, store, list(range(8)))
+    waits = []
+    real_wait = store.wait
+    store.wait = lambda tasks, timeout_s=1.0: waits.append(list(tasks)) or real_wait(tasks, timeout_s)
+    requests = [(1, list(range(8))), (2, list(range(300, 304))), (3, list(range(8)) + [9])]
+    allocs = smgr.allocate_many(smgr.lookup_many(requests))
+    assert [a.onboarded for a in allocs] == [False, True, False]
+    smgr.abort(allocs[2].lease_id)  # aborted before its copy: that request alone fails
+
+    done = smgr.onboard_many(allocs)
+
+    assert len(waits) == 1 and len(waits[0]) == 1  # one wait; the aborted lease launched nothing
+    assert done[0].cached_len == 8 and done[1] is allocs[1] and isinstance(done[2], LeaseGone)
+    for committed in smgr.commit_many([done[0].lease_id, done[1].lease_id]):
+        smgr.offload_done([it.page_id for it in committed.items], True)
+    baseline_ok(smgr)

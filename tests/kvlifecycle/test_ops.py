@@ -33,7 +33,7 @@ def setup():
     pool = PagePool.create(SPEC)
     store = FakeStore(pool.tensor, 4)
     mgr = KVCacheManager(SPEC, "ns", store)
-    handle = ops.register(mgr, Offloader(store, "ns", 4, mgr.offload_done))
+    handle = ops.register(mgr, Offloader(store, 4, mgr.offload_done))
     yield mgr, handle
     ops.unregister(handle)
     mgr.check_invariants()

@@ -35,7 +35,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.store = FakeStore(self.pool.tensor, S)
         self.mgr = KVCacheManager(SPEC, "ns", self.store, clock=lambda: self.now,
                                   lease_ttl_s=TTL, offload_ttl_s=2 * TTL)
-        self.offloader = Offloader(self.store, "ns", S, self.mgr.offload_done)
+        self.offloader = Offloader(self.store, S, self.mgr.offload_done)
         self.histories: dict[int, list[int]] = {}
         self.leases: dict[int, tuple[list[int], object, float]] = {}  # id -> tokens, alloc, written
         self.to_offload: list[tuple[list[int], list]] = []
@@ -111,7 +111,7 @@ class Lifecycle(RuleBasedStateMachine):
     def offload_and_reap(self, ok):
         tokens, items = self.to_offload.pop()
         self.store.put_status = None if ok else "FAILED"
-        self.offloader.launch(tokens, items)
+        self.offloader.launch("ns", tokens, items)
         self.store.put_status = None
         self.offloader.reap()
 
@@ -128,7 +128,7 @@ class Lifecycle(RuleBasedStateMachine):
         for lease_id in list(self.leases):
             self.mgr.abort(lease_id)
         for tokens, items in self.to_offload:
-            self.offloader.launch(tokens, items)
+            self.offloader.launch("ns", tokens, items)
         self.offloader.reap()
         self.now += 100 * TTL
         self.mgr.expire_leases()

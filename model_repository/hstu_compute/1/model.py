@@ -4,7 +4,8 @@ Dynamic batching hands `execute` every queued request; their new tokens, page ro
 candidates are ragged, so the batch is formed here (`PagedBatch.from_requests`), not padded by
 Triton. The package reads each user's cached prefix from the shared page pool and writes the new
 tokens' KV into it. If the batch fails, each request is retried alone so one bad request fails
-alone; a failed request's lease is aborted so its pages return at once.
+alone; a failed request's lease is aborted so its pages return at once. It answers with the
+scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 """
 import logging
 import time
@@ -48,10 +49,9 @@ class TritonPythonModel:
             started = time.perf_counter()
             try:
                 for i, scores in zip(members, self._score(pool, [parsed[i] for i in members])):
-                    responses[i] = self._response(scores, parsed[i][4])
-                elapsed = time.perf_counter() - started
-                for _ in members:  # each request of the sub-batch spent the whole call in compute
-                    self.stages.add("compute", elapsed)
+                    responses[i] = self._response(scores)
+                # each request of the sub-batch spent the whole call in compute
+                self.stages.add("compute", time.perf_counter() - started, len(members))
             except Exception:
                 logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
                 for i in members:
@@ -88,16 +88,15 @@ class TritonPythonModel:
 
     def _score_alone(self, pool: PagePool, item):
         try:
-            return self._response(self._score(pool, [item])[0], item[4])
+            return self._response(self._score(pool, [item])[0])
         except Exception as e:
             logger.error("hstu_compute failed on lease %d", item[4], exc_info=True)
             self._abort(item[4])  # its pages return now, not at lease expiry
             return error_response(f"hstu_compute: {e}")
 
-    def _response(self, scores: torch.Tensor, lease_id: int):
+    def _response(self, scores: torch.Tensor):
         return pb_utils.InferenceResponse(output_tensors=[
             output_tensor("candidate_scores", scores.unsqueeze(0)),  # [1, c, num_tasks]
-            output_tensor("done_lease_id", torch.tensor([[lease_id]], dtype=torch.int64)),
         ])
 
     def _abort(self, lease_id: int) -> None:

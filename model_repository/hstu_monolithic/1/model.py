@@ -30,7 +30,7 @@ class TritonPythonModel:
         self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
         self.run = load_compiled(self.settings.model_dir, self.settings.device)
         manager = self.cache.manager
-        self.offloader = (Offloader(self.cache.store, manager.namespace, manager.page_size, manager.offload_done)
+        self.offloader = (Offloader(self.cache.store, manager.page_size, manager.offload_done)
                           if self.cache.store is not None else None)
         self.metrics = KVMetrics(args["model_name"], OWNER_KEYS, source=self.cache.stats)
 
@@ -56,7 +56,7 @@ class TritonPythonModel:
             items = manager.commit(lease_id)
             lease_id = None
             if self.offloader is not None and items:
-                self.offloader.launch(tokens, items)
+                self.offloader.launch(hit.namespace, tokens, items)
                 self.offloader.flush(OFFLOAD_WAIT_S)  # wait + reap, on the critical path
         except BadRequest as e:
             return error_response(str(e))

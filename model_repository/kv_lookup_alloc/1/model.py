@@ -1,11 +1,17 @@
-"""kv_lookup_alloc: the owner of the KV cache. Per request: validate -> lookup -> allocate -> onboard.
+"""kv_lookup_alloc: the owner of the KV cache. Per batch: validate -> lookup -> allocate -> onboard.
 
 One instance (one process) owns the page table; it creates the device page pool at `initialize`
 and publishes its handle for hstu_compute and the host store, and serves the control plane that
-kv_offload (commits, offload completions) and hstu_compute (aborts) talk to. A bad request or an
-exhausted pool becomes an error response for that request only and changes no cache state.
+kv_offload (commits, offload completions) and hstu_compute (aborts) talk to.
+
+Dynamic batching hands `execute` every queued request. They go through the cache together
+(`KVCacheManager.lookup_many`, `allocate_many`, `onboard_many`): one table lock per step and
+one store wait for every onboard of the batch. The request's namespace, page keys and token ids
+are fixed here, once, and travel with its lease. A bad request or an exhausted pool becomes an
+error response for that request only and changes no cache state.
 """
 import logging
+import time
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -14,11 +20,10 @@ from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.runtime import pool_handle
 from deploy.runtime.cache_owner import open_kv_cache
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
+from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
-from kvlifecycle import ops
 from kvlifecycle.control import ControlServer
-from kvlifecycle.page_table import PoolExhausted
+from kvlifecycle.page_table import Allocation, PoolExhausted
 
 logger = logging.getLogger("kv_lookup_alloc")
 
@@ -34,7 +39,6 @@ class TritonPythonModel:
                            "so a history evicted from the page pool is recomputed. For the host tier, run "
                            "hstu-serve, or start the store and set HSTU_STORE=embedded as `hstu-serve --print-env` "
                            "prints", self.settings.store)
-        self.handle = ops.register(self.cache.manager)
         pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
@@ -44,45 +48,76 @@ class TritonPythonModel:
                     self.settings.store, self.settings.control_endpoint)
 
     def execute(self, requests):
-        return [self._one(request) for request in requests]
-
-    def _one(self, request):
-        lease_id = None
+        responses = [None] * len(requests)
+        parsed = {}  # request index -> (inputs, history tokens)
+        for i, request in enumerate(requests):
+            try:
+                r = read_ranking_request(request, self.config)
+                parsed[i] = (r, history_tokens(r.item_ids, r.action_ids, self.config))
+            except BadRequest as e:
+                responses[i] = error_response(str(e))
+        members = list(parsed)
         try:
-            r = read_ranking_request(request, self.config)
-            tokens = history_tokens(r.item_ids, r.action_ids, self.config)
-            user = torch.tensor([r.user_id], dtype=torch.int64)
-            with self.stages.time("lookup"):
-                hit = ops.lookup(self.handle, user, tokens)  # [device_tokens, host_tokens]
-            with self.stages.time("allocate"):
-                meta, page_row = ops.allocate(self.handle, user, tokens, hit, self.config.page_size,
-                                              self.settings.lease_ttl_s)  # meta: [lease_id, cached_len, onboard]
-            lease_id = int(meta[0])
-            with self.stages.time("onboard"):
-                task = ops.onboard_launch(self.handle, meta)
-                meta = ops.onboard_wait(self.handle, meta, task, self.settings.store_timeout_s * 4)
-            cached_len = int(meta[1])  # a failed onboard only shrinks cached_len
-        except BadRequest as e:
-            return error_response(str(e))
-        except PoolExhausted as e:
-            return error_response(f"KV page pool exhausted, retry later: {e}")
-        except Exception as e:  # a bug must fail this request only, not the batch
-            logger.error("kv_lookup_alloc failed on a request", exc_info=True)
-            if lease_id is not None:
-                self.cache.manager.abort(lease_id)  # its pages return now, not at lease expiry
-            return error_response(f"kv_lookup_alloc: internal error: {e}")
-        row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
-        return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("new_tokens", row(tokens[cached_len:])),
-            output_tensor("cached_len", row([cached_len])),
-            output_tensor("page_row", row(page_row)),
-            output_tensor("candidates", row(r.candidate_ids)),
-            output_tensor("lease_id", row([lease_id])),
-        ])
+            served = self._serve([parsed[i] for i in members])
+        except Exception:  # a bug: retry each request alone, so that it fails that request only
+            logger.error("kv_lookup_alloc failed on a batch of %d; serving them one by one", len(members),
+                         exc_info=True)
+            served = [self._serve_alone(parsed[i]) for i in members]
+        for i, response in zip(members, served):
+            responses[i] = response
+        return responses
 
     def finalize(self):
         self.metrics.close()
         self.control.close()
-        ops.unregister(self.handle)
         self.cache.close()
         pool_handle.unpublish(self.settings.pool_handle_path)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _serve(self, batch: list[tuple[RankingInputs, torch.Tensor]]) -> list:
+        """A response for each (inputs, tokens): lookup, allocate and onboard the whole batch."""
+        if not batch:
+            return []
+        manager = self.cache.manager
+        n = len(batch)
+        started = time.perf_counter()
+        hits = manager.lookup_many([(r.user_id, tokens) for r, tokens in batch])
+        looked_up = time.perf_counter()
+        allocs = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
+        allocated = time.perf_counter()
+        try:
+            allocs = manager.onboard_many(allocs, timeout_s=self.settings.store_timeout_s * 4)
+        except Exception:
+            for alloc in allocs:  # their pages return now, not at lease expiry
+                if isinstance(alloc, Allocation):
+                    manager.abort(alloc.lease_id)
+            raise
+        onboarded = time.perf_counter()
+        # Every request of the batch spent the whole of each step in it.
+        self.stages.add("lookup", looked_up - started, n)
+        self.stages.add("allocate", allocated - looked_up, n)
+        self.stages.add("onboard", onboarded - allocated, n)
+        return [self._response(r, tokens, alloc) for (r, tokens), alloc in zip(batch, allocs)]
+
+    def _serve_alone(self, item: tuple[RankingInputs, torch.Tensor]):
+        try:
+            return self._serve([item])[0]
+        except Exception as e:
+            logger.error("kv_lookup_alloc failed on a request", exc_info=True)
+            return error_response(f"kv_lookup_alloc: internal error: {e}")
+
+    def _response(self, r: RankingInputs, tokens: torch.Tensor, alloc):
+        if isinstance(alloc, PoolExhausted):
+            return error_response(f"KV page pool exhausted, retry later: {alloc}")
+        if not isinstance(alloc, Allocation):  # LeaseGone: aborted during its onboard
+            return error_response(f"kv_lookup_alloc: internal error: {alloc}")
+        cached_len = alloc.cached_len  # a failed onboard only shrinks cached_len
+        row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
+        return pb_utils.InferenceResponse(output_tensors=[
+            output_tensor("new_tokens", row(tokens[cached_len:])),
+            output_tensor("cached_len", row([cached_len])),
+            output_tensor("page_row", row(alloc.page_row)),
+            output_tensor("candidates", row(r.candidate_ids)),
+            output_tensor("lease_id", row([alloc.lease_id])),
+        ])

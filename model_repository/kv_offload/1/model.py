@@ -1,9 +1,12 @@
 """kv_offload: commit, answer, then offload off the request's critical path.
 
-For each request it commits the lease with the owner (kv_lookup_alloc; one local round trip, so
-the user's next request, which can only follow this answer, finds the new pages), answers with
-the scores, and hands the committed pages to the background `OffloadWorker`, which puts them into
-the host store and reaps finished puts after `execute` has returned. The model is not decoupled:
+Dynamic batching hands `execute` every queued request. It commits their leases with the owner
+(kv_lookup_alloc) in one control round trip (`commit_many`; before the answers, so a user's next
+request, which can only follow its answer, finds the new pages), answers with the scores, and
+hands each lease's committed pages, with the namespace the lease was made in, to the background
+`OffloadWorker`, which puts them into the host store and reaps finished puts after `execute` has
+returned. The lease id comes from kv_lookup_alloc; the history (the store keys pages by their
+token ids) from the request. The model is not decoupled:
 the offload never ran inside `execute`, and a decoupled sender costs a synchronous round trip to
 the server per send. `finalize` (model unload, server stop) flushes: it
 waits for every pending offload before returning.
@@ -13,7 +16,7 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from compute import HSTUConfig, fingerprint, history_tokens
+from compute import HSTUConfig, history_tokens
 from deploy.runtime import pool_handle
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from deploy.runtime.settings import ServingSettings
@@ -21,6 +24,7 @@ from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
+from kvlifecycle.page_table import Committed
 
 logger = logging.getLogger("kv_offload")
 
@@ -36,44 +40,45 @@ class TritonPythonModel:
         spec = pool_spec(self.config, self.settings)
         self.store = open_store_client(self.settings, spec.page_size)
         self.owner_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
-        self.worker = OffloadWorker(self.control, self.store,
-                                    page_bytes=spec.page_bytes, namespace=fingerprint(self.settings.model_dir),
-                                    page_size=spec.page_size)
+        self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size)
         self.worker.start()
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS + stage_keys("commit"),
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
-        responses, offloads = [], []
-        for request in requests:
+        responses = [None] * len(requests)
+        finished = []  # (request index, lease id, history tokens)
+        for i, request in enumerate(requests):
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
-                lease_id = int(input_tensor(request, "done_lease_id").reshape(-1)[0])
-                tokens = history_tokens(input_tensor(request, "item_ids"), input_tensor(request, "action_ids"),
-                                        self.config)
+                lease_id = int(input_tensor(request, "lease_id").reshape(-1)[0])
+                tokens = history_tokens(input_tensor(request, "item_ids").reshape(-1),
+                                        input_tensor(request, "action_ids").reshape(-1), self.config)
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
-                responses.append(error_response(f"kv_offload: {e}"))
+                responses[i] = error_response(f"kv_offload: {e}")
                 continue
-            with self.stages.time("commit"):
-                items = self._commit(lease_id)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores[0])]))
-            if items:
-                offloads.append((tokens, items))
-        if offloads:
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)])
+            finished.append((i, lease_id, tokens))
+        if not finished:
+            return responses
+        started = time.perf_counter()
+        committed = self._commit([lease_id for _, lease_id, _ in finished])
+        self.stages.add("commit", time.perf_counter() - started, len(finished))
+        if any(c.items for c in committed):
             self._register_owner_pool()
-            for tokens, items in offloads:
-                self.worker.submit(tokens, items)  # returns at once; the worker thread offloads
+            for (_, _, tokens), c in zip(finished, committed):
+                self.worker.submit(c.namespace, tokens, c.items)  # returns at once; the worker thread offloads
         return responses
 
-    def _commit(self, lease_id: int) -> list:
-        """The lease's new pages become visible; returns those to offload. A failed commit costs
-        only this request's cache: the owner's lease expiry returns the pages."""
+    def _commit(self, lease_ids: list[int]) -> list[Committed]:
+        """The leases' new pages become visible; returns, per lease, those to offload. A failed
+        commit costs only these requests' cache: the owner's lease expiry returns the pages."""
         try:
-            return self.control.commit(lease_id)
+            return self.control.commit_many(lease_ids)
         except Exception:
-            logger.warning("kv_offload: commit of lease %d failed; its pages return on expiry", lease_id,
+            logger.warning("kv_offload: commit of leases %s failed; their pages return on expiry", lease_ids,
                            exc_info=True)
             return []
 
