@@ -1,24 +1,26 @@
 """`hstu-cluster`: N hstu-serve instances sharing one Mooncake host tier, behind a routing proxy.
 
     client --x-user-id--> nginx (hash $http_x_user_id consistent; grpc_pass + proxy_pass)
-                            |-> server 0: tritonserver (hstu_ranking), --store mooncake --+
+                            |-> server 0: tritonserver (hstu_ranking) -> store process --+
                             |-> server 1: ...                                            +--> mooncake_master
                             '-> server N-1                                               +--> memory node(s)
 
 Each server keeps the KV pages of the users routed to it in its own device pool and offloads
 them to the shared tier; a user routed elsewhere (a server stopped, or the ring changed) finds
-its pages there as host hits instead of recomputing. The servers' Mooncake clients give no
-memory of their own (`mooncake_segment_bytes=0`): a memory node (`deploy.mooncake_node`) holds
-every page, so stopping a server loses none.
+its pages there as host hits instead of recomputing. Each server's Mooncake client lives in its
+store process (`--store mooncake`: the models speak the store protocol to it), so a dead master
+costs the models a store timeout, never a stall. The store processes give no memory of their
+own (`mooncake_segment_bytes=0`): a memory node (`deploy.mooncake_node`) holds every page, so
+stopping a server loses none.
 
 Order of operations:
   start: build the model once -> mooncake_master -> memory node -> N servers (in parallel;
          each a `deploy.launcher.Server` with store=mooncake) -> nginx, rendered from
          `deploy/nginx.conf.template` (`deploy.front`, the same front as `hstu-serve --host`)
          -> wait until `hstu_ranking` is ready through the proxy.
-  stop:  nginx -> servers (each flushes its pending offloads into the tier) -> memory node ->
-         master. The master goes last: a Mooncake client whose master is gone blocks for about
-         100 s in its calls, so the master is never stopped while a server runs.
+  stop:  nginx -> servers (each flushes its pending offloads into the tier, then stops its store
+         process) -> memory node -> master. The master goes last, so every offload reaches it and
+         no store process has to give up on a gone master while it stops.
 The proxy and Mooncake bind to loopback unless `host` says otherwise; the tritonservers always
 bind 127.0.0.1 (the proxy is their only way in: it caps what tritonserver cannot take). Every
 child runs in its own process group and is stopped with it, so a clean stop leaves no process
@@ -164,6 +166,7 @@ class Cluster:
         """Pids of every child still tracked (for checks that a stop left nothing behind)."""
         pids = [p.pid for p in (self.nginx, self.node) if p is not None]
         pids += [srv.triton.pid for srv in self.servers if srv.triton is not None]
+        pids += [srv.store.pid for srv in self.servers if srv.store is not None]
         if self.master is not None:
             pids.append(self.master.proc.pid)
         return pids

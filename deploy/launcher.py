@@ -50,6 +50,7 @@ logger = logging.getLogger("hstu-serve")
 
 ENSEMBLE = "hstu_ranking"
 TRITON_HOST = "127.0.0.1"  # where tritonserver listens when the nginx front serves --host
+STORE_PROCESS_KINDS = ("embedded", "mooncake")  # --store values served by a store process hstu-serve starts
 UNVERIFIED_STORES = {
     "flexkv": ("kvlifecycle/store/flexkv.py is written against a guessed FlexKV API and has never run "
                "(issue 14); hstu-serve starts no FlexKV service, and the models fail to load unless a "
@@ -83,7 +84,6 @@ class LaunchConfig:
     exit_timeout_s: int = 60
     run_dir: Path | None = None  # default: a fresh directory under /tmp
     extra_env: dict[str, str] = field(default_factory=dict)
-    store_extra_args: list[str] = field(default_factory=list)  # e.g. ["--debug-copy-delay-s", "3"] in tests
 
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit"):
@@ -168,7 +168,7 @@ class Server:
         nginx_cmd = self._write_front_conf() if self.config.fronted else None  # fails before anything starts
         build_model(self.settings.model_dir, self.config.device, self.config.model_config)
         try:
-            if self.settings.store == "embedded":
+            if self.settings.store in STORE_PROCESS_KINDS:
                 self.start_store()
             self._start_triton()
             if nginx_cmd is not None:
@@ -190,11 +190,11 @@ class Server:
             self.stop_store()
 
     def start_store(self) -> None:
-        """Start the embedded host store (also used by tests to bring it back after a kill)."""
+        """Start the host store process (`watch()` restarts it after it died)."""
         if self.store is not None and self.store.poll() is None:
             raise RuntimeError(f"host store pid {self.store.pid} is still running; stop or kill it first")
-        cmd = self.store_command() + list(self.config.store_extra_args)
-        sock = Path(self.settings.store_endpoint.removeprefix("ipc://"))
+        cmd = self.store_command()
+        sock = Path(self.settings.store_socket.removeprefix("ipc://"))
         # A killed store leaves its socket file behind; without this the wait below would pass at once.
         sock.unlink(missing_ok=True)
         log = open(self.store_log, "ab")
@@ -203,18 +203,12 @@ class Server:
         _wait_for(lambda: sock.exists() or self.store.poll() is not None, 30, "host store socket")
         if self.store.poll() is not None:
             raise RuntimeError(f"host store exited with {self.store.returncode}:\n{_tail(self.store_log)}")
-        logger.info("host store pid %d on %s", self.store.pid, self.settings.store_endpoint)
+        logger.info("host store pid %d on %s", self.store.pid, self.settings.store_socket)
 
     def stop_store(self) -> None:
         if self.store is not None:
             _terminate(self.store, "host store", 30)
             self.store = None
-
-    def kill_store(self) -> None:
-        """SIGKILL the store (fault injection for tests); `watch()` or `start_store()` revives it."""
-        if self.store is not None:
-            self.store.kill()
-            self.store.wait()
 
     def watch(self) -> int | None:
         """One supervision step: restart a dead store; return tritonserver's (or the front's) exit
@@ -242,9 +236,16 @@ class Server:
     # ---- helpers ----------------------------------------------------------------------------
 
     def store_command(self) -> list[str]:
-        """The embedded host store's full command line (also what `--print-env` prints)."""
-        cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", self.settings.store_endpoint,
-               "--dram-bytes", str(self.config.store_dram_bytes)]
+        """The host store process's full command line (also what `--print-env` prints). mooncake:
+        the store process holds the Mooncake client (the models only ever see a store timeout when
+        the master is gone) and keeps pages in the tier behind the master at `store_endpoint`."""
+        s = self.settings
+        cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", s.store_socket]
+        if s.store == "mooncake":
+            return cmd + ["--backing", "mooncake", "--mooncake-master", s.store_endpoint,
+                          "--mooncake-segment-bytes", str(s.mooncake_segment_bytes),
+                          "--mooncake-local-hostname", s.mooncake_local_hostname]
+        cmd += ["--dram-bytes", str(self.config.store_dram_bytes)]
         if self.config.store_disk_dir:
             cmd += ["--disk-dir", str(self.config.store_disk_dir)]
         return cmd
@@ -524,15 +525,15 @@ def print_env(server: Server) -> None:
         print("HSTU_NGINX_CONF")
         print(f"{shlex.join(nginx_command(nginx, server.nginx_dir))} &")
         print("front=$!")
-    if settings.store == "embedded":
-        sock = shlex.quote(settings.store_endpoint.removeprefix("ipc://"))
+    if settings.store == "mooncake":
+        print(f"# mooncake_master must be running at {settings.store_endpoint}")
+    if settings.store in STORE_PROCESS_KINDS:
+        sock = shlex.quote(settings.store_socket.removeprefix("ipc://"))
         print(f"rm -f {sock}  # a killed store's socket would end the wait below at once")
         print(f"{shlex.join(server.store_command())} &")
         print(f"while [ ! -S {sock} ] && kill -0 $! 2>/dev/null; do sleep 0.1; done  # until the store listens")
-    elif settings.store == "mooncake":
-        print(f"# mooncake_master must be running at {settings.store_endpoint}")
     print(shlex.join(server.triton_command()))
-    if settings.store == "embedded":
+    if settings.store in STORE_PROCESS_KINDS:
         print("kill $!  # tritonserver has stopped (its offloads flushed): stop the store")
     if server.config.fronted:
         print("kill $front  # and the nginx front")

@@ -50,20 +50,15 @@ def open_store_client(settings: ServingSettings, page_size: int,
     """The host store client for `settings.store`, or None for `--store none`.
 
     Every client names the pool its slots refer to with `register_pool(handle)`: the owner
-    registers its own pool, and kv_offload registers the owner's published pool (the embedded
-    store copies from the pool its client named; the mooncake client copies in this process).
-    mooncake: `store_endpoint` is the master's HOST:PORT."""
+    registers its own pool, and kv_offload registers the owner's published pool (the store
+    process copies from the pool its client named). embedded and mooncake: the client talks to
+    the store process at `settings.store_socket`, whatever backs it."""
     if settings.store == "none":
         return None
-    if settings.store == "mooncake":
-        return open_store("mooncake", master_address=settings.store_endpoint, page_size=page_size,
-                          rpc_timeout_s=settings.store_timeout_s,
-                          global_segment_bytes=settings.mooncake_segment_bytes,
-                          local_hostname=settings.mooncake_local_hostname)
     if settings.store == "flexkv":  # the owner also registers its pool's memory with FlexKV's engine
         return open_store("flexkv", endpoint=settings.store_endpoint, page_size=page_size,
                           rpc_timeout_s=settings.store_timeout_s, owned_pool=owned_pool)
-    return open_store(settings.store, endpoint=settings.store_endpoint, page_size=page_size,
+    return open_store(settings.store, endpoint=settings.store_socket, page_size=page_size,
                       rpc_timeout_s=settings.store_timeout_s)
 
 
@@ -73,7 +68,7 @@ def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVC
     store = open_store_client(settings, pool.spec.page_size, owned_pool=pool)
     if store is not None and not store.register_pool(handle):
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
-                       settings.store_endpoint)
+                       settings.store_socket)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
                              store_timeout_s=max(settings.store_timeout_s, 2.0))
     return OwnedKVCache(pool, handle, manager, store)

@@ -81,6 +81,13 @@ class ServingSettings:
             raise ValueError(f"HSTU_MOONCAKE_SEGMENT_BYTES={self.mooncake_segment_bytes}: expected >= 0")
 
     @property
+    def store_socket(self) -> str:
+        """The store process the models' clients talk to. embedded: `store_endpoint`. mooncake: the
+        store process hstu-serve starts in front of the master at `store_endpoint` (the Mooncake
+        client runs there, never in a model process: a dead master costs a store timeout)."""
+        return f"ipc://{self.run_dir / 'store.sock'}" if self.store == "mooncake" else self.store_endpoint
+
+    @property
     def control_endpoint(self) -> str:
         """kv_lookup_alloc's control socket (commits, offload completions, aborts)."""
         return f"ipc://{self.run_dir / 'control.sock'}"

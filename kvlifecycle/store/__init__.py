@@ -35,14 +35,17 @@ not ordered. A task is SUCCESS only when its last byte is in place.
 
 Backends (``open_store(kind, **cfg)``):
 - ``embedded`` (default): our store server process (``python -m kvlifecycle.store``, see
-  ``server.py``) over pyzmq; it attaches the pool and copies pages itself; DRAM tier (LRU,
-  byte capacity) and optional disk tier (write-behind, checksummed, survives restarts),
-  shared by every attached pool of one page geometry (another geometry is refused).
+  ``server.py``) over pyzmq; it attaches the pool and copies pages itself into its backing,
+  shared by every attached pool of one page geometry (another geometry is refused). The local
+  backing: a DRAM tier (LRU, byte capacity) and optional disk tier (write-behind, checksummed,
+  survives restarts).
   cfg: ``endpoint``, ``page_size``, ``rpc_timeout_s``, ``retry_interval_s``,
   ``task_start_timeout_s``, ``pool_handle`` (the pool this client's slots refer to; a process
   that only offloads another process's pool passes that owner's published handle).
-- ``mooncake``: Mooncake Store (``mooncake-transfer-engine``), pages as objects keyed by the
-  hex chain key; copies happen in the calling process (``mooncake.py``).
+- ``mooncake``: the same client and store process, the process started with ``--backing
+  mooncake``: pages are objects in Mooncake Store (``mooncake.py``). The Mooncake client lives
+  in the store process only, so a dead Mooncake master costs the caller a store timeout, never
+  a stall. cfg: as ``embedded``.
 - ``flexkv``: FlexKV (built with ``deploy/build_flexkv.sh``; CUDA pools only) in a store process
   of its own (``python -m kvlifecycle.store.flexkv``), reached with the embedded protocol; the
   owner also registers its pool's memory with FlexKV's transfer engine (``flexkv.py``).
@@ -71,12 +74,9 @@ STORE_KINDS = ("embedded", "mooncake", "flexkv", "none")
 def open_store(kind: str = "embedded", **cfg: Any) -> HostStoreClient:
     """A client of the host store backend ``kind`` (one of ``STORE_KINDS``); ``cfg`` goes to
     that backend's client (see the module docstring)."""
-    if kind == "embedded":
+    if kind in ("embedded", "mooncake"):  # one protocol; the store process's backing differs
         from kvlifecycle.store.embedded import EmbeddedStoreClient
         return EmbeddedStoreClient(**cfg)
-    if kind == "mooncake":
-        from kvlifecycle.store.mooncake import MooncakeStoreClient
-        return MooncakeStoreClient(**cfg)
     if kind == "flexkv":
         from kvlifecycle.store.flexkv import FlexKVStoreClient
         return FlexKVStoreClient(**cfg)

@@ -1,62 +1,81 @@
-"""``python -m kvlifecycle.store``: run the embedded host store server until SIGTERM/SIGINT.
+"""``python -m kvlifecycle.store``: run the host store server until SIGTERM/SIGINT.
 
-    python -m kvlifecycle.store --endpoint ipc:///run/dir/store.sock --dram-bytes 2147483648 \\
-        [--pool-handle JSON|FILE] [--disk-dir DIR] [--disk-bytes N] [--task-start-timeout-s S]
+    python -m kvlifecycle.store --endpoint ipc:///run/dir/store.sock \\
+        [--backing local] [--dram-bytes N] [--disk-dir DIR] [--disk-bytes N]
+    python -m kvlifecycle.store --endpoint ipc:///run/dir/store.sock \\
+        --backing mooncake --mooncake-master HOST:PORT [--mooncake-segment-bytes N] [--mooncake-local-hostname H]
 
-SIGTERM finishes queued copies and flushes the disk write-behind queue before exiting 0.
+Clients speak the same protocol whatever the backing. SIGTERM finishes queued copies and
+flushes the disk write-behind queue before exiting 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
+from kvlifecycle.store.backing import BackingFactory, LocalConfig
+from kvlifecycle.store.copy_worker import CopyWorker
+from kvlifecycle.store.pools import PoolRegistry
 from kvlifecycle.store.server import ServerConfig, StoreServer
 
 logger = logging.getLogger("kvlifecycle.store")
 
+BACKINGS = ("local", "mooncake")
 
-def main(argv: list[str] | None = None) -> int:
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (a wrapper such as a test entry point may add options)."""
     p = argparse.ArgumentParser(prog="python -m kvlifecycle.store", description=__doc__.splitlines()[0])
     p.add_argument("--endpoint", required=True, help="ipc://PATH (directory made 0700) or tcp://HOST:PORT")
-    p.add_argument("--dram-bytes", type=int, default=ServerConfig.dram_bytes,
-                   help="DRAM tier capacity in bytes (default: %(default)s)")
-    p.add_argument("--pool-handle", help="PagePool.handle() as JSON, or a file holding it (may appear "
-                   "later); clients can also send it with register_pool")
-    p.add_argument("--disk-dir", type=Path, help="enable the disk tier in this directory")
-    p.add_argument("--disk-bytes", type=int, default=0, help="disk tier capacity in bytes (0: unbounded)")
-    p.add_argument("--task-start-timeout-s", type=float, default=5.0,
-                   help="a task not started this long after submission fails (clients rely on it)")
-    p.add_argument("--debug-copy-delay-s", type=float, default=0.0,
-                   help="fault injection for tests: sleep before each copy")
+    p.add_argument("--backing", choices=BACKINGS, default="local",
+                   help="where pages are kept: local (this host's DRAM, optional disk tier) or mooncake "
+                        "(Mooncake Store behind --mooncake-master)")
+    p.add_argument("--dram-bytes", type=int, default=LocalConfig.dram_bytes,
+                   help="local: DRAM tier capacity in bytes (default: %(default)s)")
+    p.add_argument("--disk-dir", type=Path, help="local: enable the disk tier in this directory")
+    p.add_argument("--disk-bytes", type=int, default=0, help="local: disk tier capacity in bytes (0: unbounded)")
+    p.add_argument("--mooncake-master", default="", metavar="HOST:PORT", help="mooncake: the running mooncake_master")
+    p.add_argument("--mooncake-segment-bytes", type=int, default=256 << 20,
+                   help="mooncake: host memory this process gives the tier (0: memory nodes hold it)")
+    p.add_argument("--mooncake-local-hostname", default="127.0.0.1",
+                   help="mooncake: the address Mooncake peers reach this host on")
     p.add_argument("--log-level", default="INFO")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(endpoint=a.endpoint, dram_bytes=a.dram_bytes, disk_dir=a.disk_dir,
-                          disk_bytes=a.disk_bytes, pool_handle=_pool_handle_arg(a.pool_handle),
-                          task_start_timeout_s=a.task_start_timeout_s,
-                          debug_copy_delay_s=a.debug_copy_delay_s)
-    server = StoreServer(config)
+    return p
+
+
+def backing_factory(args: argparse.Namespace) -> BackingFactory:
+    """The factory of the backing ``args`` ask for; ValueError naming a bad option, RuntimeError
+    when Mooncake cannot be loaded here."""
+    if args.backing == "mooncake":
+        from kvlifecycle.store.mooncake import MooncakeConfig, load_mooncake
+
+        load_mooncake()  # fail at start (MooncakeUnavailable names why), not at the first register_pool
+        return MooncakeConfig(master_address=args.mooncake_master, segment_bytes=args.mooncake_segment_bytes,
+                              local_hostname=args.mooncake_local_hostname).factory()
+    return LocalConfig(dram_bytes=args.dram_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes).factory()
+
+
+def serve(args: argparse.Namespace, worker: CopyWorker) -> int:
+    """Serve with ``worker`` as the copy thread until SIGTERM/SIGINT; the exit code."""
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = ServerConfig(endpoint=args.endpoint)
+        make_backing = backing_factory(args)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"python -m kvlifecycle.store: {e}") from None
+    server = StoreServer(config, PoolRegistry(make_backing), worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve_forever()
     return 0
 
 
-def _pool_handle_arg(value: str | None) -> dict[str, Any] | Path | None:
-    if value is None:
-        return None
-    if value.lstrip().startswith("{"):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--pool-handle: not valid JSON ({e}); pass PagePool.handle() or a file path")
-    return Path(value)
+def main(argv: list[str] | None = None) -> int:
+    return serve(parser().parse_args(argv), CopyWorker())
 
 
 if __name__ == "__main__":

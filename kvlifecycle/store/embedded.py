@@ -1,5 +1,5 @@
-"""Client of the embedded store server (``python -m kvlifecycle.store``), and a helper that
-starts that server as a child process.
+"""Client of the store server (``python -m kvlifecycle.store``, whatever its backing: local or
+Mooncake), and a helper that starts that server as a child process.
 
 Every RPC has a timeout. A timeout closes the socket (a fresh one is made on the next call:
 the "lazy pirate" pattern) and opens a short back-off window in which calls fail at once
@@ -20,14 +20,13 @@ from ``pool_handle=`` (a process that only offloads from another process's pool,
 ``kv_offload``, passes the owner's published handle) or from its last ``register_pool``. It
 registers lazily: when the server answers ``NO_POOL`` (first use, store restarted, pool not
 yet attached) the client sends ``register_pool`` and retries once. A client with no pool
-sends none; the server then uses its own ``--pool-handle`` pool or refuses (``NO_POOL``).
+cannot put or get (the server answers ``NO_POOL``); it can still match.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import os
 import subprocess
@@ -43,10 +42,12 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
+from kvlifecycle import rpc
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
+from kvlifecycle.rpc import RpcStatus, decode, encode
 from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
                                    select_pages)
-from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode, pool_id
+from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class EmbeddedStoreClient(HostStoreClient):
 
     ``pool_handle``: the ``PagePool.handle()`` of the pool this client's slots refer to (its
     own, or the one of the process it offloads for); registered with the server on first
-    need. ``register_pool`` sets it too. Without either, transfers use the server's own pool.
+    need. ``register_pool`` sets it too; without either, puts and gets are refused (NO_POOL).
     """
 
     def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = 0.5,
@@ -131,8 +132,10 @@ class EmbeddedStoreClient(HostStoreClient):
         task_id = next(self._ids)
         pages = 0
         if num_full:
-            reply = self._rpc({"op": Op.MATCH.value, "ns": namespace, "page_size": self.page_size},
-                              {"tokens": tokens[: num_full * self.page_size]})
+            header = {"op": Op.MATCH.value, "ns": namespace, "page_size": self.page_size}
+            if self._pool_id is not None:
+                header["pool"] = self._pool_id  # a store with one tier per pool (flexkv) matches in that one
+            reply = self._rpc(header, {"tokens": tokens[: num_full * self.page_size]})
             if reply is not None and reply["rpc"] == RpcStatus.OK.value:
                 pages = int(reply["pages"])
                 assert 0 <= pages <= num_full, f"get_match: store claims {pages} of {num_full} pages"
@@ -391,18 +394,20 @@ class StoreProcess:
             self.proc.wait()
 
 
+STORE_PROGRAM = ("-m", "kvlifecycle.store")  # the store server's command, after the interpreter
+
+
 def default_endpoint() -> str:
     """``ipc://`` in a fresh private (0700) temporary directory."""
-    return f"ipc://{tempfile.mkdtemp(prefix='kvstore-')}/store.sock"
+    return rpc.default_endpoint("store.sock")
 
 
-def start_store_process(endpoint: str, dram_bytes: int, pool_handle: dict[str, Any] | None = None,
-                        disk_dir: Path | None = None, log_path: Path | None = None,
-                        extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0) -> StoreProcess:
-    """Start ``python -m kvlifecycle.store`` and wait until it answers ``ping``."""
-    cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", endpoint, "--dram-bytes", str(dram_bytes)]
-    if pool_handle is not None:
-        cmd += ["--pool-handle", json.dumps(pool_handle)]
+def start_store_process(endpoint: str, dram_bytes: int = 2 << 30, disk_dir: Path | None = None,
+                        extra_args: Sequence[str] = (), log_path: Path | None = None,
+                        ready_timeout_s: float = 30.0, program: Sequence[str] = STORE_PROGRAM) -> StoreProcess:
+    """Start a store server (``python -m kvlifecycle.store``, or ``program``: any entry point
+    taking its options) with the local backing and ``extra_args``; wait until it answers ``ping``."""
+    cmd = [sys.executable, *program, "--endpoint", endpoint, "--dram-bytes", str(dram_bytes)]
     if disk_dir is not None:
         cmd += ["--disk-dir", str(disk_dir)]
     cmd += list(extra_args)

@@ -54,8 +54,8 @@ import zmq
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store.api import Status
 from kvlifecycle.store.embedded import EmbeddedStoreClient
-from kvlifecycle.store.protocol import Op, RpcStatus, decode, encode, pool_id
-from kvlifecycle.store.server import prepare_ipc_endpoint
+from kvlifecycle.rpc import RpcStatus, decode, encode, prepare_ipc_dir
+from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class FlexKVStoreServer:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        prepare_ipc_endpoint(self.endpoint)
+        prepare_ipc_dir(self.endpoint)
         sock.bind(self.endpoint)
         logger.info("flexkv store listening on %s (CPU tier %d bytes per pool)", self.endpoint, self.dram_bytes)
         try:

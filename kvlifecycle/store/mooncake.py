@@ -1,16 +1,26 @@
-"""The ``mooncake`` backend: pages as objects in Mooncake Store (PyPI ``mooncake-transfer-engine``).
+"""The ``mooncake`` backing of the store server: pages as objects in Mooncake Store (PyPI
+``mooncake-transfer-engine``), and helpers to run ``mooncake_master``.
+
+The Mooncake client runs in the store server process only (``python -m kvlifecycle.store
+--backing mooncake``), never in a Triton model process: the models talk to that process over
+the store protocol, like to the local backing. A Mooncake call can hold the Python interpreter
+for a long time (``setup`` against a dead master: about 90 s; ``close`` after the master died:
+about 6 s), which would stall every thread of the calling process. Kept in the store process, a
+stall is a store timeout for the models: they recompute, and the store process can be killed
+and restarted.
 
 Key of a page: ``"kv-" + page_key.hex()`` (the hash chain of ``kvlifecycle.hashing``); value:
-the page's bytes, page-major ``[num_layers, 2, page_size, num_heads, head_dim]``. Copies run in
-the calling process: pool pages are gathered into a registered staging tensor and sent with
-``batch_put_from``; gets land in the staging tensor (``batch_get_into``) and are scattered
-into the pool. Eviction is Mooncake's (the master's watermarks), not ours.
+the page's bytes, page-major ``[num_layers, 2, page_size, num_heads, head_dim]``. Puts gather
+pool pages into a registered staging tensor and send it with ``batch_put_from``; gets land in
+the staging tensor (``batch_get_into``) and are scattered into the pool. Eviction is Mooncake's
+(the master's watermarks), not ours.
 
-Each client calls ``MooncakeDistributedStore.setup`` (P2PHANDSHAKE metadata, TCP by default)
-against ``master_address``, contributing ``global_segment_bytes`` of its memory to the
-cluster. When setup fails (master down) the client fails open and retries setup after
-``retry_interval_s``. Every Mooncake call runs on the client's worker threads; a caller waits
-at most ``rpc_timeout_s`` for ``get_match``.
+Connection: the backing calls ``MooncakeDistributedStore.setup`` (P2PHANDSHAKE metadata, TCP by
+default) against ``master_address``, contributing ``segment_bytes`` of this process's memory to
+the cluster (0 when memory nodes, ``deploy/mooncake_node.py``, hold the pages). It sets up only
+once the master's port accepts a connection, so a master that is down costs a refused connect,
+not a 90 s ``setup``; when a call fails, the store is dropped and set up again after
+``retry_interval_s`` (a restarted master knows nothing of the old one's segments).
 
 CPU hosts: the wheel links ``libcuda.so.1`` and ``libcudart.so.12``. Where the driver is
 absent, ``load_mooncake`` preloads a no-device stub ``libcuda.so.1`` (every entry point
@@ -21,14 +31,13 @@ and the runtime from ``nvidia-cuda-runtime-cu12``; Mooncake's TCP path then runs
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import ctypes
-import itertools
 import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -39,15 +48,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
-from kvlifecycle.pool import PagePool
-from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status,
-                                   prefix_mask, select_pages)
-from kvlifecycle.store.transfer import PageCopier, host_page_shape
+from kvlifecycle.store.api import Status
+from kvlifecycle.store.backing import Backing, BackingFactory
+from kvlifecycle.store.transfer import PageCopier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeStoreClient", "MasterProcess", "start_master", "load_mooncake", "MooncakeUnavailable"]
+__all__ = ["MooncakeBacking", "MooncakeConfig", "MasterProcess", "start_master", "load_mooncake",
+           "MooncakeUnavailable"]
 
 # Entry points of libcuda that mooncake's store.so links (nm -D --undefined-only store.so).
 _CUDA_DRIVER_SYMBOLS = (
@@ -88,327 +96,195 @@ def load_mooncake() -> Any:
             f"import mooncake.store failed ({first_error}); the no-device CUDA stub did not help: {e}") from e
 
 
-@dataclass
-class _Task:
-    op: str
-    sel: PageSelection
-    namespace: str
-    copier: PageCopier | None = None  # the pool registered when the task was submitted
-    future: cf.Future | None = None
-    cancelled: bool = False
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """The ``mooncake`` backing: a running ``mooncake_master`` and what this process gives it."""
+
+    master_address: str  # HOST:PORT
+    segment_bytes: int = 256 << 20  # memory this process gives the tier (0: memory nodes hold it)
+    local_hostname: str = "127.0.0.1"  # the address other Mooncake nodes reach this process on
+    protocol: str = "tcp"
+    local_buffer_bytes: int = 64 << 20
+    staging_pages: int = 64  # pages per batched put/get
+    retry_interval_s: float = 1.0  # after a failure, no setup before this
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--mooncake-master: expected the master's HOST:PORT, got {self.master_address!r}")
+        if self.segment_bytes < 0:
+            raise ValueError(f"--mooncake-segment-bytes: expected >= 0, got {self.segment_bytes}")
+        if self.staging_pages < 1:
+            raise ValueError(f"staging_pages: expected >= 1, got {self.staging_pages}")
+
+    def factory(self) -> BackingFactory:
+        return lambda page_shape, dtype, pin_memory: MooncakeBacking(self, page_shape, dtype, pin_memory)
 
 
-class MooncakeStoreClient(HostStoreClient):
-    """``HostStoreClient`` on Mooncake Store. Copies run on one worker thread per client.
+class MooncakeBacking(Backing):
+    """``Backing`` on Mooncake Store; see the module docstring. ``held_prefix`` (socket
+    thread) and ``put``/``get`` (copy thread) may run at once: Mooncake's store is thread-safe,
+    the staging tensor is used by the copy thread only, and one lock guards (re)connecting."""
 
-    Ordering guarantee: the client's tasks run one at a time in submission order (one FIFO
-    worker); Mooncake makes a put visible to every client once it returned. Tasks of different
-    clients are not ordered.
-
-    Pools: a client copies to and from the pool last given to ``register_pool`` (one per
-    process: each server process registers its own pool, or the owner's pool it offloads). A
-    task keeps the pool that was registered when it was submitted, so re-registering (the
-    owner re-created its pool) never sends a queued task's pages to the other pool.
-    """
-
-    def __init__(self, master_address: str, page_size: int, pool_handle: dict[str, Any] | None = None,
-                 local_hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
-                 protocol: str = "tcp", global_segment_bytes: int = 256 << 20,
-                 local_buffer_bytes: int = 64 << 20, staging_pages: int = 64,
-                 rpc_timeout_s: float = 0.5, retry_interval_s: float = 1.0,
-                 debug_copy_delay_s: float = 0.0) -> None:
-        if page_size <= 0 or page_size % 2:
-            raise ValueError(f"page_size: expected a positive even token count, got {page_size}")
-        if staging_pages < 1:
-            raise ValueError(f"staging_pages: expected >= 1, got {staging_pages}")
+    def __init__(self, config: MooncakeConfig, page_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin_memory: bool) -> None:
+        self.config = config
         self._mstore = load_mooncake()
-        self.page_size = page_size
-        self.master_address = master_address
-        self._setup_args = (local_hostname, metadata_server, global_segment_bytes, local_buffer_bytes,
-                            protocol, "", master_address)
-        self.staging_pages = staging_pages
-        self.rpc_timeout_s = rpc_timeout_s
-        self.retry_interval_s = retry_interval_s
-        self.debug_copy_delay_s = debug_copy_delay_s
-        self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._tasks: dict[int, _Task] = {}
-        self._prepared: dict[int, tuple[np.ndarray, str, int]] = {}
-        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mooncake-copy")
-        self._match_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="mooncake-match")
-        self._counters = collections.Counter[str]()
+        self._staging = torch.empty((config.staging_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
+        self._page_bytes = self._staging[0].numel() * self._staging.element_size()
+        self._connect_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _store, _next_setup, _up and the counters
         self._store: Any = None
-        self._up = True
         self._next_setup = 0.0
-        self._pool: PagePool | None = None
-        self._copier: PageCopier | None = None
-        self._staging: torch.Tensor | None = None
-        self._registered = False
-        self._closed = False
-        if pool_handle is not None:
-            self.register_pool(pool_handle)
+        self._up = True
+        self._counters = collections.Counter[str]()
 
-    # -- public API ---------------------------------------------------------------------
+    # -- Backing ------------------------------------------------------------------------
 
-    def register_pool(self, handle: dict[str, Any]) -> bool:
-        pool = PagePool.attach(handle)
-        if pool.spec.page_size != self.page_size:
-            raise ValueError(f"register_pool: pool page_size {pool.spec.page_size} != client page_size "
-                             f"{self.page_size}")
-        shape = (self.staging_pages, *host_page_shape(pool.spec.shape))
-        with self._lock:
-            staging = self._staging
-            if staging is None or tuple(staging.shape) != shape or staging.dtype != pool.spec.torch_dtype:
-                # Registered with the store lazily (after setup); kept across pools of one geometry.
-                staging = torch.empty(shape, dtype=pool.spec.torch_dtype, pin_memory=pool.tensor.is_cuda)
-                self._registered = False
-            self._pool, self._copier, self._staging = pool, PageCopier(pool.tensor), staging
-        return True
-
-    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
-        tokens = tokens_as_int64(token_ids)
-        task_id = next(self._ids)
-        future = self._match_pool.submit(self._held_prefix, tokens, namespace)
-        try:
-            pages = future.result(timeout=self.rpc_timeout_s)
-        except cf.TimeoutError:
-            self._fail("get_match", "timed out")
-            pages = 0
-        except Exception as e:
-            self._fail("get_match", repr(e), exc_info=True)
-            pages = 0
-        with self._lock:
-            self._prepared[task_id] = (tokens[: pages * self.page_size], namespace, pages)
-        return task_id, prefix_mask(tokens.size, pages, self.page_size)
-
-    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds | None = None) -> int:
-        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "put_async")
-        return self._submit(next(self._ids), _Task("put", sel, namespace))
-
-    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds) -> int:
-        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "get_async")
-        return self._submit(next(self._ids), _Task("get", sel, namespace))
-
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError(f"launch: {len(task_ids)} task_ids but {len(slot_mappings)} slot_mappings")
-        for task_id, slots in zip(task_ids, slot_mappings):
-            with self._lock:
-                prep = self._prepared.pop(task_id, None)
-            if prep is None:
-                raise ValueError(f"launch: task {task_id} is not a get_match task waiting for launch")
-            tokens, namespace, _pages = prep
-            sel = select_pages(tokens, slots, np.ones(tokens.size, dtype=bool), self.page_size,
-                               f"launch (task {task_id})")
-            self._submit(task_id, _Task("get", sel, namespace))
-
-    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            futures = [self._tasks[t].future for t in task_ids if t in self._tasks]
-        cf.wait([f for f in futures if f is not None], timeout=max(0.0, deadline - time.monotonic()))
-        return {t: (Status.TIMEOUT if s is Status.UNREADY else s) for t, s in self.try_wait(task_ids).items()}
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
-        out: dict[int, Status] = {}
-        with self._lock:
-            for task_id in task_ids:
-                if task_id in self._prepared:
-                    out[task_id] = Status.UNREADY
-                    continue
-                task = self._tasks.get(task_id)
-                if task is None:
-                    raise ValueError(f"try_wait: unknown task {task_id} (never submitted, or already reaped)")
-                assert task.future is not None
-                if not task.future.done():
-                    out[task_id] = Status.UNREADY
-                    continue
-                del self._tasks[task_id]
-                out[task_id] = task.future.result()
-                self._counters[f"task_{out[task_id].value.lower()}"] += 1
-        return out
-
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        with self._lock:
-            for task_id in task_ids:
-                if self._prepared.pop(task_id, None) is not None:
-                    self._tasks[task_id] = _Task("get", select_pages([], [], None, self.page_size, "cancel"), "")
-                    self._tasks[task_id].future = _done(Status.CANCELLED)
-                elif task_id in self._tasks:
-                    self._tasks[task_id].cancelled = True  # the worker skips it if not started
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"backend": "mooncake", "master": self.master_address, "up": self._up,
-                    "pending_tasks": len(self._tasks), **self._counters}
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._copy_pool.shutdown(wait=True, cancel_futures=True)
-        self._match_pool.shutdown(wait=False, cancel_futures=True)
-        if self._store is not None:
-            try:
-                self._store.close()
-            except Exception:
-                logger.warning("mooncake: close failed", exc_info=True)
-            self._store = None
-
-    # -- helpers (worker threads) -------------------------------------------------------
-
-    def _submit(self, task_id: int, task: _Task) -> int:
-        with self._lock:
-            task.copier = self._copier
-        if task.sel.seq_pages.size == 0:
-            task.future = _done(Status.SUCCESS)
-        else:
-            task.future = self._copy_pool.submit(self._run, task)
-        with self._lock:
-            self._tasks[task_id] = task
-        return task_id
-
-    def _run(self, task: _Task) -> Status:
-        if task.cancelled:
-            return Status.CANCELLED
-        if self.debug_copy_delay_s:
-            time.sleep(self.debug_copy_delay_s)
-        try:
-            store = self._connected()
-            if store is None:
-                return Status.FAILED
-            if task.copier is None or self._staging is None:
-                logger.error("mooncake: %s before register_pool; nothing copied", task.op)
-                return Status.FAILED
-            keys = _object_keys(task.sel, task.namespace, self.page_size)
-            for start in range(0, len(keys), self.staging_pages):
-                chunk = slice(start, start + self.staging_pages)
-                status = (self._put_chunk(store, task.copier, keys[chunk], task.sel.pool_pages[chunk])
-                          if task.op == "put"
-                          else self._get_chunk(store, task.copier, keys[chunk], task.sel.pool_pages[chunk]))
-                if status is not Status.SUCCESS:
-                    return status
-            self._counters[f"{task.op}_pages"] += len(keys)
-            return Status.SUCCESS
-        except Exception as e:
-            self._fail(task.op, repr(e), exc_info=True)
-            return Status.FAILED
-
-    def _put_chunk(self, store: Any, copier: PageCopier, keys: list[str], pool_pages: np.ndarray) -> Status:
-        assert self._staging is not None
-        n = len(keys)
-        copier.gather(pool_pages, self._staging, np.arange(n, dtype=np.int64))
-        ptrs, sizes = self._staging_ptrs(n)
-        codes = store.batch_put_from(keys, ptrs, sizes)
-        # Existing objects are identical (content-addressed keys): an "exists" error is fine.
-        refused = [i for i, code in enumerate(codes) if code != 0]
-        exists = store.batch_is_exist([keys[i] for i in refused]) if refused else []
-        bad = sorted({codes[i] for i, ok in zip(refused, exists) if ok != 1})
-        if bad:
-            self._fail("put", f"batch_put_from codes {bad}")
-            self._reset(store)
-            return Status.FAILED
-        return Status.SUCCESS
-
-    def _get_chunk(self, store: Any, copier: PageCopier, keys: list[str], pool_pages: np.ndarray) -> Status:
-        assert self._staging is not None
-        n = len(keys)
-        ptrs, sizes = self._staging_ptrs(n)
-        got = store.batch_get_into(keys, ptrs, sizes)
-        if any(g < 0 and g != _OBJECT_NOT_FOUND for g in got):
-            self._fail("get", f"batch_get_into codes {sorted({g for g in got if g < 0})}")
-            self._reset(store)
-            return Status.FAILED
-        if any(g != s for g, s in zip(got, sizes)):
-            self._counters["get_missing_pages"] += sum(g != s for g, s in zip(got, sizes))
-            return Status.NOTFOUND
-        copier.scatter(self._staging, np.arange(n, dtype=np.int64), pool_pages)
-        return Status.SUCCESS
-
-    def _held_prefix(self, tokens: np.ndarray, namespace: str) -> int:
+    def held_prefix(self, keys: list[bytes]) -> int:
         store = self._connected()
-        keys = ["kv-" + k.hex() for k in page_keys(tokens, namespace, self.page_size)]
         if store is None or not keys:
             return 0
-        found = store.batch_is_exist(keys)
+        found = store.batch_is_exist(_object_keys(keys))
         if any(exists < 0 for exists in found):
-            self._fail("get_match", "batch_is_exist failed")
-            self._reset(store)
+            self._failed(store, "batch_is_exist", f"codes {sorted({e for e in found if e < 0})}")
             return 0
         held = 0
         for exists in found:
             if exists != 1:
                 break
             held += 1
+        self._count("match_pages", held)
         return held
 
-    def _staging_ptrs(self, n: int) -> tuple[list[int], list[int]]:
-        assert self._staging is not None
-        page_bytes = self._staging[0].numel() * self._staging.element_size()
-        base = self._staging.data_ptr()
-        return [base + i * page_bytes for i in range(n)], [page_bytes] * n
+    def put(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        store = self._connected()
+        if store is None:
+            return Status.FAILED
+        names = _object_keys(keys)
+        for start in range(0, len(names), self.config.staging_pages):
+            chunk = slice(start, start + self.config.staging_pages)
+            n = len(names[chunk])
+            copier.gather(pool_pages[chunk], self._staging, np.arange(n, dtype=np.int64))
+            ptrs, sizes = self._staging_ptrs(n)
+            codes = store.batch_put_from(names[chunk], ptrs, sizes)
+            # Existing objects are identical (content-addressed keys): an "exists" refusal is fine.
+            refused = [i for i, code in enumerate(codes) if code != 0]
+            exists = store.batch_is_exist([names[chunk][i] for i in refused]) if refused else []
+            bad = sorted({codes[i] for i, held in zip(refused, exists) if held != 1})
+            if bad:
+                self._failed(store, "batch_put_from", f"codes {bad}")
+                return Status.FAILED
+        self._count("put_pages", len(names))
+        self._count("put_bytes", len(names) * self._page_bytes)
+        return Status.SUCCESS
+
+    def get(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        store = self._connected()
+        if store is None:
+            return Status.FAILED
+        names = _object_keys(keys)
+        held = store.batch_is_exist(names)  # all first, so a NOTFOUND copies nothing
+        if any(exists < 0 for exists in held):
+            self._failed(store, "batch_is_exist", f"codes {sorted({e for e in held if e < 0})}")
+            return Status.FAILED
+        if any(exists != 1 for exists in held):
+            self._count("get_missing_pages", sum(exists != 1 for exists in held))
+            return Status.NOTFOUND
+        for start in range(0, len(names), self.config.staging_pages):
+            chunk = slice(start, start + self.config.staging_pages)
+            n = len(names[chunk])
+            ptrs, sizes = self._staging_ptrs(n)
+            got = store.batch_get_into(names[chunk], ptrs, sizes)
+            if any(g != s for g, s in zip(got, sizes)):
+                # Evicted since the check (or the master failed): the pool pages are the
+                # caller's, leased for this get, so a partial copy is harmless; it recomputes.
+                if any(g < 0 and g != _OBJECT_NOT_FOUND for g in got):
+                    self._failed(store, "batch_get_into", f"codes {sorted({g for g in got if g < 0})}")
+                    return Status.FAILED
+                self._count("get_missing_pages", sum(g != s for g, s in zip(got, sizes)))
+                return Status.NOTFOUND
+            copier.scatter(self._staging, np.arange(n, dtype=np.int64), pool_pages[chunk])
+        self._count("get_pages", len(names))
+        self._count("get_bytes", len(names) * self._page_bytes)
+        return Status.SUCCESS
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"backing": "mooncake", "master": self.config.master_address, "up": self._up,
+                    "page_bytes": self._page_bytes, **self._counters}
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            _close_quietly(store)
+
+    # -- helpers ------------------------------------------------------------------------
 
     def _connected(self) -> Any:
-        """The set-up store, or None while the master is unreachable (setup retried later)."""
-        with self._lock:
-            if self._store is not None:
-                store = self._store
-            elif time.monotonic() < self._next_setup:
-                return None
-            else:
-                store = None
-        if store is None:
-            candidate = self._mstore.MooncakeDistributedStore()
-            rc = candidate.setup(*self._setup_args)
-            if rc != 0:
-                with self._lock:
-                    self._next_setup = time.monotonic() + self.retry_interval_s
-                self._fail("setup", f"setup returned {rc} (master {self.master_address} down?)")
-                return None
+        """The set-up store, or None while the master is unreachable (set up again later)."""
+        with self._connect_lock:
             with self._lock:
-                self._store = store = candidate
-                self._registered = False
-            self._mark_up()
-        if not self._registered and self._staging is not None:
+                if self._store is not None:
+                    return self._store
+                if time.monotonic() < self._next_setup:
+                    return None
+                self._next_setup = time.monotonic() + self.config.retry_interval_s
+            # setup() against a master that does not answer holds the interpreter ~90 s: ask
+            # the port first (a refused connect takes microseconds).
+            if not _port_open(self.config.master_address):
+                self._down("setup", f"master {self.config.master_address} refuses connections")
+                return None
+            c = self.config
+            store = self._mstore.MooncakeDistributedStore()
+            rc = store.setup(c.local_hostname, "P2PHANDSHAKE", c.segment_bytes, c.local_buffer_bytes, c.protocol,
+                             "", c.master_address)
+            if rc != 0:
+                self._down("setup", f"returned {rc}")
+                return None
             rc = store.register_buffer(self._staging.data_ptr(), self._staging.numel() * self._staging.element_size())
             if rc != 0:
-                self._fail("register_buffer", f"returned {rc}")
+                self._down("register_buffer", f"returned {rc}")
+                _close_quietly(store)
                 return None
-            self._registered = True
-        return store
+            with self._lock:
+                self._store = store
+                was_down, self._up = not self._up, True
+                if was_down:
+                    self._counters["reconnects"] += 1
+            if was_down:
+                logger.info("mooncake master %s answers again", c.master_address)
+            return store
 
-    def _reset(self, store: Any) -> None:
-        """Drop a store whose master stopped answering; set up a fresh one after the back-off
-        (a restarted master knows nothing of the old one's segment). The old one is closed on a
-        background thread: its unmount waits for RPC timeouts."""
+    def _failed(self, store: Any, what: str, why: str) -> None:
+        """Drop a store whose call failed (the master stopped answering, or restarted and forgot
+        its segments); the next call sets up a fresh one after the back-off."""
+        self._down(what, why)
         with self._lock:
             if self._store is not store:
                 return
             self._store = None
-            self._next_setup = time.monotonic() + self.retry_interval_s
-        threading.Thread(target=_close_quietly, args=(store,), name="mooncake-close", daemon=True).start()
+            self._next_setup = time.monotonic() + self.config.retry_interval_s
+        _close_quietly(store)
 
-    def _fail(self, what: str, why: str, exc_info: bool = False) -> None:
+    def _down(self, what: str, why: str) -> None:
         with self._lock:
             self._counters["errors"] += 1
-            first = self._up
-            self._up = False
+            first, self._up = self._up, False
             if first:
                 self._counters["outages"] += 1
         if first:
-            logger.warning("mooncake store unreachable or failing (%s: %s); failing open", what, why,
-                           exc_info=exc_info)
+            logger.warning("mooncake master %s unreachable or failing (%s: %s); puts fail and matches miss "
+                           "until it answers", self.config.master_address, what, why)
 
-    def _mark_up(self) -> None:
+    def _count(self, name: str, n: int) -> None:
         with self._lock:
-            was_down = not self._up
-            self._up = True
-            if was_down:
-                self._counters["reconnects"] += 1
-        if was_down:
-            logger.info("mooncake store %s answers again", self.master_address)
+            self._counters[name] += n
+
+    def _staging_ptrs(self, n: int) -> tuple[list[int], list[int]]:
+        base = self._staging.data_ptr()
+        return [base + i * self._page_bytes for i in range(n)], [self._page_bytes] * n
 
 
 @dataclass
@@ -433,7 +309,7 @@ def start_master(port: int | None = None, log_path: Path | None = None, ready_ti
                  extra_args: Sequence[str] = ()) -> MasterProcess:
     """Start ``mooncake_master`` on 127.0.0.1 (a free port unless given) and wait for its port."""
     binary = shutil.which("mooncake_master") or str(Path(os.__file__).parent / "mooncake_master")
-    venv_bin = Path(__import__("sys").executable).parent / "mooncake_master"
+    venv_bin = Path(sys.executable).parent / "mooncake_master"
     if venv_bin.exists():
         binary = str(venv_bin)
     port = port or _free_port()
@@ -463,22 +339,24 @@ def start_master(port: int | None = None, log_path: Path | None = None, ready_ti
 # helpers
 
 
-def _object_keys(sel: PageSelection, namespace: str, page_size: int) -> list[str]:
-    keys = page_keys(sel.tokens, namespace, page_size)
-    return ["kv-" + keys[i].hex() for i in sel.seq_pages]
+def _object_keys(keys: list[bytes]) -> list[str]:
+    return ["kv-" + key.hex() for key in keys]
 
 
 def _close_quietly(store: Any) -> None:
     try:
         store.close()
     except Exception:
-        logger.warning("mooncake: closing a stale store failed", exc_info=True)
+        logger.warning("mooncake: closing a store failed", exc_info=True)
 
 
-def _done(status: Status) -> cf.Future:
-    future: cf.Future = cf.Future()
-    future.set_result(status)
-    return future
+def _port_open(address: str, timeout_s: float = 0.2) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _free_port() -> int:

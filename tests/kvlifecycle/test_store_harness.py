@@ -1,5 +1,8 @@
 """Test harness for host store backends (no tests here): a small pool, and one object per
-backend that starts its server, makes clients, and stops/restarts the server."""
+backend that starts its server, makes clients, and stops/restarts the server.
+
+A harness asked for a copy delay starts the store server through `tests/slow_store.py` (the real
+server whose copy thread sleeps before each copy)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,18 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import HostStoreClient, open_store
+from kvlifecycle.store.embedded import STORE_PROGRAM, default_endpoint, start_store_process
 
 SPEC = PoolSpec(num_layers=2, num_pages=32, page_size=4, num_heads=2, head_dim=8)  # 1 KiB pages
 NS = "model-fingerprint-a"
+SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"
+
+
+def store_program(copy_delay_s: float) -> tuple[list[str], list[str]]:
+    """(program, its extra options) of a store server whose copies take `copy_delay_s` longer."""
+    if copy_delay_s > 0:
+        return [str(SLOW_STORE)], ["--copy-delay-s", str(copy_delay_s)]
+    return list(STORE_PROGRAM), []
 
 
 def tokens(num_pages: int, start: int = 1, extra: int = 0) -> np.ndarray:
@@ -49,8 +61,6 @@ class EmbeddedHarness:
 
     def __init__(self, pool: PagePool, capacity_pages: int | None = None, copy_delay_s: float = 0.0,
                  disk_dir: Path | None = None, dedicated: bool = False) -> None:
-        from kvlifecycle.store.embedded import default_endpoint
-
         self.pool = pool
         self.ns = f"{NS}-{uuid.uuid4().hex[:8]}"
         self.capacity_pages = capacity_pages or 64
@@ -68,11 +78,9 @@ class EmbeddedHarness:
             _SHARED_EMBEDDED.update(endpoint=self.endpoint, proc=self.proc)
 
     def start(self) -> None:
-        from kvlifecycle.store.embedded import start_store_process
-
-        self.proc = start_store_process(
-            self.endpoint, dram_bytes=SPEC.page_bytes * self.capacity_pages, pool_handle=self.pool.handle(),
-            disk_dir=self.disk_dir, extra_args=["--debug-copy-delay-s", str(self.copy_delay_s)])
+        program, extra_args = store_program(self.copy_delay_s)
+        self.proc = start_store_process(self.endpoint, dram_bytes=SPEC.page_bytes * self.capacity_pages,
+                                        disk_dir=self.disk_dir, extra_args=extra_args, program=program)
 
     def stop(self) -> None:
         self.proc.stop()
@@ -94,69 +102,63 @@ class EmbeddedHarness:
             shutil.rmtree(Path(self.endpoint.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
-_SHARED_MOONCAKE: dict[str, Any] = {}  # one master and client per test module (client close takes ~2 s)
+_SHARED_MOONCAKE: dict[str, Any] = {}  # one master and store process per test module
 
 
 class MooncakeHarness:
-    """Mooncake Store on loopback. Shared master and client unless ``dedicated`` (a test that
-    kills the master); each harness has its own namespace, so tests never see each other's pages."""
+    """A store server process with the Mooncake backing, in front of a `mooncake_master` on
+    loopback; clients speak the store protocol to the process. Shared master and process unless
+    the case needs its own (`dedicated`, a copy delay); `kill`/`start` kill and restart the
+    master (the store process stays). Each harness has its own namespace, so tests never see
+    each other's pages."""
 
     kind = "mooncake"
     has_lru = False  # eviction is the Mooncake master's (watermarks), not a byte-capacity LRU
 
-    def __init__(self, pool: PagePool, capacity_pages: int = 16, copy_delay_s: float = 0.0,
+    def __init__(self, pool: PagePool, capacity_pages: int | None = None, copy_delay_s: float = 0.0,
                  disk_dir: Path | None = None, dedicated: bool = False) -> None:
-        from kvlifecycle.store.mooncake import _free_port
+        from kvlifecycle.store.mooncake import start_master
 
+        if disk_dir is not None:
+            pytest.skip("mooncake: the disk tier is the local backing's")
         self.pool = pool
         self.ns = f"{NS}-{uuid.uuid4().hex[:8]}"
-        self.copy_delay_s = copy_delay_s
-        self.dedicated = dedicated
         self.clients: list[HostStoreClient] = []
-        if dedicated:
-            self.port = _free_port()
-            self.master: Any = None
-            self.start()
-        else:
-            if "master" not in _SHARED_MOONCAKE:
-                from kvlifecycle.store.mooncake import start_master
-
-                _SHARED_MOONCAKE["master"] = start_master()
-            self.master = _SHARED_MOONCAKE["master"]
+        self.dedicated = dedicated or copy_delay_s > 0
+        if not self.dedicated and "proc" in _SHARED_MOONCAKE:
+            self.master, self.endpoint, self.proc = (_SHARED_MOONCAKE[k] for k in ("master", "endpoint", "proc"))
+            return
+        self.master = start_master()
+        self.endpoint = default_endpoint()
+        program, extra_args = store_program(copy_delay_s)
+        self.proc = start_store_process(
+            self.endpoint, extra_args=["--backing", "mooncake", "--mooncake-master", self.master.address,
+                                       "--mooncake-segment-bytes", str(16 << 20), *extra_args], program=program)
+        if not self.dedicated:
+            _SHARED_MOONCAKE.update(master=self.master, endpoint=self.endpoint, proc=self.proc)
 
     def start(self) -> None:
         from kvlifecycle.store.mooncake import start_master
 
-        self.master = start_master(self.port)
-
-    def stop(self) -> None:
-        self.master.stop()
+        self.master = start_master(int(self.master.address.rpartition(":")[2]))
 
     def kill(self) -> None:
         self.master.proc.kill()
         self.master.proc.wait()
 
     def client(self, **cfg: Any) -> HostStoreClient:
-        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, **cfg}
-        if not self.dedicated and "client" in _SHARED_MOONCAKE:
-            client = _SHARED_MOONCAKE["client"]
-            client.register_pool(self.pool.handle())
-            client.debug_copy_delay_s = self.copy_delay_s
-            return client
-        client = open_store("mooncake", master_address=self.master.address, page_size=SPEC.page_size,
-                            pool_handle=self.pool.handle(), global_segment_bytes=16 << 20,
-                            local_buffer_bytes=16 << 20, debug_copy_delay_s=self.copy_delay_s, **cfg)
-        if self.dedicated:
-            self.clients.append(client)
-        else:
-            _SHARED_MOONCAKE["client"] = client
+        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, "pool_handle": self.pool.handle(), **cfg}
+        client = open_store("mooncake", endpoint=self.endpoint, page_size=SPEC.page_size, **cfg)
+        self.clients.append(client)
         return client
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
-        if self.dedicated and self.master is not None:
+        if self.dedicated:
+            self.proc.kill()
             self.master.stop()
+            shutil.rmtree(Path(self.endpoint.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
 def close_shared_stores() -> None:
@@ -164,12 +166,10 @@ def close_shared_stores() -> None:
     if proc is not None:
         proc.kill()
         shutil.rmtree(Path(_SHARED_EMBEDDED.pop("endpoint").removeprefix("ipc://")).parent, ignore_errors=True)
-    client = _SHARED_MOONCAKE.pop("client", None)
-    if client is not None:
-        client.close()
-    master = _SHARED_MOONCAKE.pop("master", None)
-    if master is not None:
-        master.stop()
+    if "proc" in _SHARED_MOONCAKE:
+        _SHARED_MOONCAKE.pop("proc").kill()
+        _SHARED_MOONCAKE.pop("master").stop()
+        shutil.rmtree(Path(_SHARED_MOONCAKE.pop("endpoint").removeprefix("ipc://")).parent, ignore_errors=True)
 
 
 def mooncake_skip_reason() -> str | None:

@@ -28,7 +28,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 @pytest.fixture
 def store_proc(endpoint: str) -> Iterator[Any]:
-    proc = start_store_process(endpoint, dram_bytes=SPEC.page_bytes * 32)  # no pool of its own
+    proc = start_store_process(endpoint, dram_bytes=SPEC.page_bytes * 32)
     yield proc
     proc.kill()
 

@@ -19,9 +19,9 @@ from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.api import select_pages
 from kvlifecycle.store.embedded import start_store_process
-from kvlifecycle.store.protocol import RpcStatus, decode
+from kvlifecycle.rpc import RpcStatus, decode
 
-from .test_store_harness import NS, SPEC, fill_random, slots, tokens
+from .test_store_harness import NS, SPEC, fill_random, slots, store_program, tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,18 +92,20 @@ def test_disk_tier_survives_restart_and_a_corrupt_page_is_a_miss(endpoint, tmp_p
     with PagePool.create(SPEC) as pool:
         expected = fill_random(pool, [1, 2, 3], seed=11)
         seq = tokens(3)
-        proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle(), disk_dir=disk)
+        proc = start_store_process(endpoint, SPEC.page_bytes * 8, disk_dir=disk)
         try:
-            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
+            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
+                            pool_handle=pool.handle()) as store:
                 put = store.put_async(seq, slots([1, 2, 3]), NS)
                 assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
             assert proc.stop() == 0, "SIGTERM: the store exits 0 after flushing its write-behind queue"
             files = sorted(disk.rglob("*.kvp"))
             assert len(files) == 3, f"expected 3 page files after SIGTERM, got {files}"
 
-            proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle(), disk_dir=disk)
+            proc = start_store_process(endpoint, SPEC.page_bytes * 8, disk_dir=disk)
             pool.tensor.zero_()
-            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
+            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
+                            pool_handle=pool.handle()) as store:
                 task, mask = store.get_match(seq, NS)
                 assert int(mask.sum()) == 12, "pages written before the restart are found after it"
                 store.launch([task], [slots([5, 6, 7])])
@@ -118,9 +120,10 @@ def test_disk_tier_survives_restart_and_a_corrupt_page_is_a_miss(endpoint, tmp_p
             data = bytearray(victim.read_bytes())
             data[-5] ^= 0xFF
             victim.write_bytes(bytes(data))
-            proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle(), disk_dir=disk)
+            proc = start_store_process(endpoint, SPEC.page_bytes * 8, disk_dir=disk)
             pool.tensor.zero_()
-            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
+            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
+                            pool_handle=pool.handle()) as store:
                 get = store.get_async(seq, slots([5, 6, 7]), NS, np.ones(seq.size, dtype=bool))
                 assert store.wait([get], timeout_s=10)[get] is Status.NOTFOUND
                 _task, mask = store.get_match(seq, NS)
@@ -140,10 +143,10 @@ def test_task_in_flight_when_the_store_dies_times_out_then_fails(endpoint):
     started), and FAILED from then on: never earlier, so its pages cannot be reused too soon."""
     start_timeout_s, grace_s = 0.5, 1.0
     with PagePool.create(SPEC) as pool:
-        proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle(),
-                                   extra_args=["--debug-copy-delay-s", "5"])
+        program, extra_args = store_program(copy_delay_s=5.0)
+        proc = start_store_process(endpoint, SPEC.page_bytes * 8, extra_args=extra_args, program=program)
         try:
-            store = open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
+            store = open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size, pool_handle=pool.handle(),
                                task_start_timeout_s=start_timeout_s, retry_interval_s=0.1)
             called = time.monotonic()
             put = store.put_async(tokens(1), slots([1]), NS)
@@ -163,12 +166,14 @@ def test_task_in_flight_when_the_store_dies_times_out_then_fails(endpoint):
 
 def test_malformed_requests_get_a_status_and_the_server_lives(endpoint):
     with PagePool.create(SPEC) as pool:
-        proc = start_store_process(endpoint, SPEC.page_bytes * 8, pool.handle())
+        proc = start_store_process(endpoint, SPEC.page_bytes * 8)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
         try:
+            with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
+                assert store.register_pool(pool.handle())  # so a match of the wrong page size is checked
             bad = [
                 [b"", b"not json"],
                 [b"", json.dumps({"v": 1, "op": "match", "seq": 1, "arrays": ["tokens"]}).encode(), b"123"],
@@ -180,7 +185,7 @@ def test_malformed_requests_get_a_status_and_the_server_lives(endpoint):
                 sock.send_multipart(frames)
                 assert sock.poll(2000), "no reply to a malformed request"
                 reply, _ = decode(sock.recv_multipart()[1:])
-                assert reply["rpc"] == RpcStatus.BAD_REQUEST.value, reply
+                assert RpcStatus(reply["rpc"]) is RpcStatus.BAD_REQUEST, reply
                 assert reply["error"]
             with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
                 assert store.ping()

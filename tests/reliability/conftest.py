@@ -6,7 +6,9 @@
   a test model repository (`fault_repository`) whose hstu_compute is a subclass of the real one
   that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
-  whole server; each leaves it serving.
+  whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
+  process, and a store started while `store_copy_delay_s` > 0 runs `tests/slow_store.py` (the real
+  store server whose copies each sleep that long).
 - `owner_stats(server)`: kv_lookup_alloc's page table counters, read over its control socket
   (exact and immediate; the metrics port lags by up to a second).
 - `wait_drained(server)`: waits until no page is leased or pinned (every lease committed or
@@ -21,7 +23,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -43,6 +47,7 @@ from tests.helpers import ModelStats, metric, wait_for
 
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
 FAULT_MODEL = Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py"
+SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"
 REAL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 FAULT_POOL_PAGES = 384
 TOLERANCE = 1e-4
@@ -72,6 +77,25 @@ def fault_launch_config(root: Path):
                                     "HSTU_TEST_REAL_MODEL": str(REAL_REPOSITORY / COMPUTE / "1" / "model.py")})
 
 
+class FaultServer(LocalServer):
+    """`LocalServer` whose store the tests can kill, or start with slow copies."""
+
+    store_copy_delay_s = 0.0  # > 0: the next start_store() runs tests/slow_store.py with this delay
+
+    def store_command(self) -> list[str]:
+        cmd = super().store_command()
+        if not self.store_copy_delay_s:
+            return cmd
+        python, module = cmd[0], cmd[1:3]
+        assert module == ["-m", "kvlifecycle.store"], f"store_command: expected python -m kvlifecycle.store, got {cmd}"
+        return [python, str(SLOW_STORE), "--copy-delay-s", str(self.store_copy_delay_s), *cmd[3:]]
+
+    def kill_store(self) -> None:
+        """SIGKILL the store process; `start_store()` brings it back."""
+        os.kill(self.store.pid, signal.SIGKILL)
+        self.store.wait()
+
+
 class _EarlyStart:
     """`fault_server` boots in the background from the first reliability test on, while the tests
     on the session `server` run (a startup is 20-40 s of this suite's budget).
@@ -90,7 +114,7 @@ class _EarlyStart:
     def begin(cls) -> None:
         if cls.server is not None or not cls.wanted:
             return
-        cls.server = LocalServer(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
+        cls.server = FaultServer(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
         # Build (or check) the model here, so two servers starting at once never build it together.
         build_model(cls.server.settings.model_dir, cls.server.config.device, cls.server.config.model_config)
         cls.thread = threading.Thread(target=cls._run, name="fault-server", daemon=True)
@@ -137,7 +161,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 @pytest.fixture(scope="package")
-def fault_server() -> Server:
+def fault_server() -> FaultServer:
     _EarlyStart.wanted = True
     _EarlyStart.begin()
     try:

@@ -10,7 +10,7 @@ On `fault_server` (small pool, fault injection):
   by expiry), its batch-mates are correct;
 - the host store killed mid-load: requests keep being served correctly (recompute), store errors
   are counted, and the restarted store is reconnected (offloads and host hits again);
-- the host store slow (`--debug-copy-delay-s`): an onboard times out and is recomputed, no hang;
+- the host store slow (`tests/slow_store.py`, copies 3 s late): an onboard times out and is recomputed, no hang;
 - the pool exhausted by concurrent long requests (while hstu_compute is busy, so none can commit
   and free room): "pool exhausted" or correct scores, never a hang.
 """
@@ -30,8 +30,8 @@ from deploy.runtime.schema import COMPUTE, ENSEMBLE, RankingRequest
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for
-from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP, Load, blocker,
-                                        check_scores, could_run_alone, evict_from_device, fire_together, history,
+from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP, FaultServer, Load,
+                                        blocker, check_scores, could_run_alone, evict_from_device, fire_together, history,
                                         owner_stats, register_pool, send_in_order, settled_kv_metrics,
                                         store_errors, wait_drained, without_fault_candidate)
 
@@ -105,7 +105,7 @@ def test_two_concurrent_requests_for_the_same_user_are_both_correct(server: Serv
     wait_drained(server)
 
 
-def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fault_server: Server,
+def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fault_server: FaultServer,
                                                                               reference) -> None:
     """The failing request shares a dynamic batch with good ones of its size: a long request keeps
     hstu_compute busy while a good request, the failing one and four more good ones queue behind
@@ -145,7 +145,7 @@ def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fau
     assert metric(fault_server, "hstu_kv_pages", model=LOOKUP, state="pinned") == 0
 
 
-def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_server: Server, reference) -> None:
+def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_server: FaultServer, reference) -> None:
     trace = [without_fault_candidate(r) for r in generate(TraceConfig(
         num_users=20, num_requests=60, seed=11, zipf_a=0.5, initial_events_median=120, initial_events_sigma=0.4))]
     errors_before = store_errors(fault_server)
@@ -194,7 +194,7 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
     assert store_errors(fault_server) == errors, "store errors still growing after the store came back"
 
 
-def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Server, reference) -> None:
+def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: FaultServer, reference) -> None:
     user = history(3000, 400, seed=2)
     with RankingClient(fault_server.grpc_url, timeout_s=120) as client:
         check_scores(reference, user, client.score(user))
@@ -204,7 +204,7 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Se
         # The same store contents (disk tier), now with every copy delayed by 3 s: longer than
         # kv_lookup_alloc waits for an onboard (4 x store_timeout_s = 2 s).
         fault_server.stop_store()
-        fault_server.config.store_extra_args = ["--debug-copy-delay-s", "3"]
+        fault_server.store_copy_delay_s = 3.0
         try:
             fault_server.start_store()
             register_pool(fault_server)
@@ -216,7 +216,7 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Se
             after = owner_stats(fault_server)
         finally:
             fault_server.kill_store()
-            fault_server.config.store_extra_args = []
+            fault_server.store_copy_delay_s = 0.0
             fault_server.start_store()
             register_pool(fault_server)
     assert after["lookups_host_hit"] == before["lookups_host_hit"] + 1, "the slow store did not report a host hit"
@@ -226,7 +226,7 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Se
     wait_drained(fault_server, timeout_s=120)  # quarantined pages return once the store's task ends
 
 
-def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(fault_server: Server,
+def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(fault_server: FaultServer,
                                                                                reference) -> None:
     """A long request (128 pages) keeps hstu_compute busy (about 0.7 s) while 10 requests of 64
     pages each pass kv_lookup_alloc (a few ms each): none of them can commit (and make its pages

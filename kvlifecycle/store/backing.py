@@ -1,0 +1,192 @@
+"""Where the store server keeps pages: the interface of a backing, and the local one (this
+host's DRAM, plus an optional disk tier).
+
+A backing holds pages of one geometry (host page shape ``[L, 2, S, H, D]`` and dtype), keyed
+by the page hash chain (``kvlifecycle.hashing.page_keys``). The server makes one per geometry
+(``BackingFactory``) and calls, in this order:
+
+1. ``held_prefix(keys) -> int`` (socket thread): how many of ``keys``, from the first, the
+   backing holds. Answers from an index or one batched lookup; a backing that cannot reach
+   its storage answers 0 (a miss).
+2. ``put(copier, pool_pages, keys) -> Status`` (copy thread): copy the pool pages into the
+   backing under ``keys``. SUCCESS once the bytes are held (a backing may keep only a prefix
+   when full: it is what later lookups match first); FAILED when its storage failed.
+3. ``get(copier, pool_pages, keys) -> Status`` (copy thread): copy the pages held under
+   ``keys`` into the pool pages. NOTFOUND, with nothing copied, when a page is missing.
+4. ``stats() -> dict`` (any thread), ``close()`` once, after the copy thread stopped (flushes
+   what is written behind).
+
+``held_prefix`` may run while the copy thread runs ``put``/``get``: each backing guards its
+own indexes. Backings: ``LocalBacking`` here; ``MooncakeBacking`` (``mooncake.py``).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvlifecycle.store.api import Status
+from kvlifecycle.store.tiers import DiskTier, DramTier
+from kvlifecycle.store.transfer import PageCopier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Backing", "BackingFactory", "LocalBacking", "LocalConfig"]
+
+_DISK_FLUSH_TIMEOUT_S = 60.0
+
+
+class Backing(abc.ABC):
+    """See the module docstring for the call order and what each call promises."""
+
+    @abc.abstractmethod
+    def held_prefix(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, are held (0 when the storage is unreachable)."""
+
+    @abc.abstractmethod
+    def put(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        """Copy ``pool_pages`` into the backing under ``keys`` (same order)."""
+
+    @abc.abstractmethod
+    def get(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        """Copy the pages held under ``keys`` into ``pool_pages``; NOTFOUND copies nothing."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for the server's ``stats`` reply."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush and release; called once, after the last ``put``/``get``."""
+
+
+# Makes the backing for one page geometry: (host page shape [L, 2, S, H, D], dtype, pin_memory).
+BackingFactory = Callable[[tuple[int, ...], torch.dtype, bool], Backing]
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """The local backing: a DRAM tier (LRU, byte capacity) and an optional disk tier."""
+
+    dram_bytes: int = 2 << 30  # 2 GiB, hstu-serve's default too
+    disk_dir: Path | None = None
+    disk_bytes: int = 0  # 0: unbounded
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0:
+            raise ValueError(f"--dram-bytes: expected a positive byte count, got {self.dram_bytes}")
+        if self.disk_bytes < 0:
+            raise ValueError(f"--disk-bytes: expected >= 0 (0 = unbounded), got {self.disk_bytes}")
+
+    def factory(self) -> BackingFactory:
+        return lambda page_shape, dtype, pin_memory: LocalBacking(self, page_shape, dtype, pin_memory)
+
+
+class LocalBacking(Backing):
+    """Pages in a DRAM slab (LRU) and, when configured, written behind to disk. A get of a page
+    only on disk reads it and promotes it back into DRAM."""
+
+    def __init__(self, config: LocalConfig, page_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin_memory: bool) -> None:
+        self.dram = DramTier(config.dram_bytes, page_shape, dtype, pin_memory=pin_memory)
+        self.disk = (DiskTier(config.disk_dir, page_shape, dtype, capacity_bytes=config.disk_bytes)
+                     if config.disk_dir is not None else None)
+        self._pin_memory = pin_memory
+        self._lock = threading.Lock()  # guards the DRAM index (the disk tier has its own lock)
+        self._counters = collections.Counter[str]()
+
+    def held_prefix(self, keys: list[bytes]) -> int:
+        held = 0
+        with self._lock:
+            for key in keys:
+                if not (self.dram.holds(key) or (self.disk is not None and self.disk.holds(key))):
+                    break
+                held += 1
+        self._counters["match_pages"] += held
+        return held
+
+    def put(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        with self._lock:
+            fresh = [i for i, key in enumerate(keys) if self.dram.row(key) is None]
+            rows = self.dram.reserve(len(fresh), keep=set(keys))
+        if len(rows) < len(fresh):
+            self._counters["put_pages_over_capacity"] += len(fresh) - len(rows)
+            fresh = fresh[: len(rows)]  # keep the prefix: it is what later lookups match first
+        try:
+            copier.gather(pool_pages[fresh], self.dram.slab, np.asarray(rows, dtype=np.int64))
+        except BaseException:
+            with self._lock:
+                self.dram.release(rows)
+            raise
+        fresh_keys = [keys[i] for i in fresh]
+        with self._lock:
+            self.dram.insert(fresh_keys, rows)
+        self._counters["put_pages"] += len(fresh)
+        self._counters["put_bytes"] += len(fresh) * self.dram.page_bytes
+        if self.disk is not None and fresh:
+            pages = self.dram.slab.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
+            self.disk.write_behind(fresh_keys, pages)
+        return Status.SUCCESS
+
+    def get(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
+        with self._lock:
+            rows = [self.dram.row(key) for key in keys]
+        missing = [i for i, row in enumerate(rows) if row is None]
+        loaded: list[torch.Tensor] = []
+        for i in missing:
+            page = self.disk.read(keys[i]) if self.disk is not None else None
+            if page is None:
+                self._counters["get_missing_pages"] += 1
+                return Status.NOTFOUND
+            loaded.append(page)
+        present = [i for i, row in enumerate(rows) if row is not None]
+        copier.scatter(self.dram.slab, np.asarray([rows[i] for i in present], dtype=np.int64), pool_pages[present])
+        if loaded:
+            from_disk = torch.stack(loaded)  # [m, L, 2, S, H, D]
+            if self._pin_memory:
+                from_disk = from_disk.pin_memory()
+            copier.scatter(from_disk, np.arange(len(loaded), dtype=np.int64), pool_pages[missing])
+            self._promote([keys[i] for i in missing], from_disk, keep=set(keys))
+        self._counters["get_pages"] += len(keys)
+        self._counters["get_bytes"] += len(keys) * self.dram.page_bytes
+        return Status.SUCCESS
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"backing": "local", "page_bytes": self.dram.page_bytes,
+                                   "dram_capacity_pages": self.dram.capacity_pages, "dram_pages": len(self.dram),
+                                   "dram_evictions": self.dram.evictions, **self._counters}
+        if self.disk is not None:
+            out["disk_pages"] = len(self.disk)
+            out.update({f"disk_{k}": v for k, v in self.disk.counters.items()})
+        return out
+
+    def close(self) -> None:
+        if self.disk is None:
+            return
+        if self.disk.close(timeout_s=_DISK_FLUSH_TIMEOUT_S):
+            logger.info("disk write-behind queue flushed (%d pages on disk)", len(self.disk))
+        else:
+            logger.error("disk write-behind queue did not drain within %.0f s; pages lost", _DISK_FLUSH_TIMEOUT_S)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _promote(self, keys: list[bytes], pages: torch.Tensor, keep: set[bytes]) -> None:
+        """Put pages read from disk back into DRAM (they are hot)."""
+        with self._lock:
+            new = [i for i, key in enumerate(keys) if not self.dram.holds(key)]
+            rows = self.dram.reserve(len(new), keep=keep)
+        new = new[: len(rows)]
+        if new:
+            self.dram.slab.index_copy_(0, torch.as_tensor(rows, dtype=torch.int64),
+                                       pages.index_select(0, torch.as_tensor(new, dtype=torch.int64)))
+        with self._lock:
+            self.dram.insert([keys[i] for i in new], rows)
