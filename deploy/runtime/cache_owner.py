@@ -51,12 +51,12 @@ def open_store_client(settings: ServingSettings, page_size: int,
 
     Every client names the pool its slots refer to with `register_pool(handle)`: the owner
     registers its own pool, and kv_offload registers the owner's published pool (the store
-    process copies from the pool its client named). embedded and mooncake: the client talks to
+    process copies from the pool its client named). Every kind but none: the client talks to
     the store process at `settings.store_socket`, whatever backs it."""
     if settings.store == "none":
         return None
     if settings.store == "flexkv":  # the owner also registers its pool's memory with FlexKV's engine
-        return open_store("flexkv", endpoint=settings.store_endpoint, page_size=page_size,
+        return open_store("flexkv", endpoint=settings.store_socket, page_size=page_size,
                           rpc_timeout_s=settings.store_timeout_s, owned_pool=owned_pool)
     return open_store(settings.store, endpoint=settings.store_socket, page_size=page_size,
                       rpc_timeout_s=settings.store_timeout_s)
