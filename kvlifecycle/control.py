@@ -15,56 +15,42 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
 calls ``manager.expire_leases()`` at least every ``expire_interval_s`` (between requests when
-busy, on poll timeouts when idle). Messages are single-frame JSON, never pickle::
+busy, on poll timeouts when idle). Messages are ``kvlifecycle.rpc`` frames (JSON header, never
+pickle)::
 
-    request: {"id": int, "op": "commit"|"commit_many"|"offload_done"|"abort"|"stats"|"ping", "args": {...}}
-    reply:   {"id": int, "status": ControlStatus value, "result": ..., "error": str}
+    request: {"op": "commit"|"commit_many"|"offload_done"|"abort"|"stats"|"ping", "args": {...}}
+    reply:   {"rpc": RpcStatus value, "result": ..., "error": str}
 
 A client call raises ``ControlTimeout`` when no reply came within ``timeout_s`` (the server
-may or may not have applied it; a late reply is discarded), and ``ControlError`` for any
-status other than OK. A client is thread-safe (one lock per client; one call at a time).
+may or may not have applied it; a late reply is discarded), and ``ControlError`` (carrying the
+``RpcStatus``) for any status other than OK. A client is thread-safe (one lock per client; one
+call at a time).
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-import json
 import logging
 import os
-import stat
-import tempfile
 import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
 import zmq
 
+from kvlifecycle import rpc
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed, OffloadItem
+from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, prepare_ipc_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ControlClient",
-    "ControlError",
-    "ControlServer",
-    "ControlStatus",
-    "ControlTimeout",
-    "default_endpoint",
-    "prepare_ipc_dir",
-]
-
-
-class ControlStatus(str, enum.Enum):
-    OK = "ok"
-    BAD_REQUEST = "bad_request"  # malformed JSON, unknown op or wrong argument types
-    ERROR = "error"              # the manager raised (a bug: the message says where)
+__all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout", "default_endpoint"]
 
 
 class ControlError(RuntimeError):
-    def __init__(self, op: str, status: str, message: str) -> None:
-        super().__init__(f"control {op}: server replied {status}: {message}")
+    def __init__(self, op: str, status: RpcStatus, message: str) -> None:
+        super().__init__(f"control {op}: server replied {status.value}: {message}")
         self.op = op
         self.status = status
 
@@ -73,24 +59,9 @@ class ControlTimeout(TimeoutError):
     """No reply within the client's timeout (is the owner process running?)."""
 
 
-def default_endpoint(name: str = "control.sock") -> str:
-    """A fresh ``ipc://`` endpoint in a new private (0700) temporary directory."""
-    return f"ipc://{os.path.join(tempfile.mkdtemp(prefix='kvlifecycle-'), name)}"
-
-
-def prepare_ipc_dir(endpoint: str) -> None:
-    """Create the directory of an ``ipc://`` endpoint with mode 0700, or check an existing one
-    is private to this user. Raises ValueError naming the problem."""
-    if not endpoint.startswith("ipc://"):
-        raise ValueError(f"control endpoint: expected ipc://PATH, got {endpoint!r}")
-    directory = os.path.dirname(os.path.abspath(endpoint[len("ipc://"):]))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    st = os.stat(directory)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise ValueError(
-            f"control endpoint directory {directory}: expected owner uid {os.getuid()} and mode "
-            f"0700, got uid {st.st_uid} mode {oct(stat.S_IMODE(st.st_mode))}"
-        )
+def default_endpoint() -> str:
+    """A fresh ``ipc://`` control endpoint in a new private (0700) temporary directory."""
+    return rpc.default_endpoint("control.sock")
 
 
 class ControlServer:
@@ -148,9 +119,8 @@ class ControlServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(poll_ms, zmq.POLLIN):
-                    frames = sock.recv_multipart()
-                    reply = self._handle(frames[-1])
-                    sock.send_multipart([*frames[:-1], json.dumps(reply).encode("utf-8")])
+                    reply, _status = answer(sock.recv_multipart(), self._handle)
+                    sock.send_multipart(reply)
                 if time.monotonic() >= next_expire:
                     self._expire()
                     next_expire = time.monotonic() + self.expire_interval_s
@@ -166,27 +136,15 @@ class ControlServer:
         except Exception:
             logger.error("expire_leases failed", exc_info=True)
 
-    def _handle(self, payload: bytes) -> dict[str, Any]:
+    def _handle(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One request's reply body (``rpc.answer`` adds the status)."""
+        op, args = header["op"], header.get("args", {})
+        if not isinstance(args, dict):
+            raise TypeError(f"'args': expected an object, got {type(args).__name__}")
         try:
-            request = json.loads(payload.decode("utf-8"))
-            req_id = request["id"]
-            op = request["op"]
-            args = request.get("args", {})
-            if not isinstance(args, dict):
-                raise TypeError(f"'args': expected an object, got {type(args).__name__}")
-        except Exception as e:
-            return {"id": None, "status": ControlStatus.BAD_REQUEST.value, "result": None,
-                    "error": f"malformed request: {e}"}
-        try:
-            result = self._apply(op, args)
+            return {"result": self._apply(op, args)}
         except (KeyError, TypeError, ValueError) as e:
-            return {"id": req_id, "status": ControlStatus.BAD_REQUEST.value, "result": None,
-                    "error": f"{op}: {type(e).__name__}: {e}"}
-        except Exception as e:
-            logger.error("control %s failed", op, exc_info=True)
-            return {"id": req_id, "status": ControlStatus.ERROR.value, "result": None,
-                    "error": f"{op}: {type(e).__name__}: {e}"}
-        return {"id": req_id, "status": ControlStatus.OK.value, "result": result, "error": ""}
+            raise ValueError(f"{op}: {type(e).__name__}: {e}") from e
 
     def _apply(self, op: str, args: dict[str, Any]) -> Any:
         mgr = self.manager
@@ -214,15 +172,11 @@ class ControlServer:
 class ControlClient:
     """Calls a ``ControlServer``; see the module docstring."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = TIMEOUTS.control_s) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._client: RpcClient | None = RpcClient(endpoint)  # None once closed
 
     # -- public API ---------------------------------------------------------------------
 
@@ -246,9 +200,9 @@ class ControlClient:
 
     def close(self) -> None:
         with self._lock:
-            if not self._sock.closed:
-                self._sock.close()
-                self._ctx.term()
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     def __enter__(self) -> "ControlClient":
         return self
@@ -260,25 +214,17 @@ class ControlClient:
 
     def _call(self, op: str, args: dict[str, Any]) -> Any:
         with self._lock:
-            if self._sock.closed:
+            if self._client is None:
                 raise RuntimeError(f"control {op}: client is closed")
-            req_id = next(self._ids)
-            self._sock.send(json.dumps({"id": req_id, "op": op, "args": args}).encode("utf-8"))
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or not self._sock.poll(left_ms, zmq.POLLIN):
-                    raise ControlTimeout(
-                        f"control {op}: no reply from {self.endpoint} within {self.timeout_s} s "
-                        "(is the owner process running?)"
-                    )
-                reply = json.loads(self._sock.recv().decode("utf-8"))
-                if reply.get("id") != req_id:
-                    logger.info("control %s: discarding late reply %s", op, reply.get("id"))
-                    continue
-                if reply.get("status") != ControlStatus.OK.value:
-                    raise ControlError(op, str(reply.get("status")), str(reply.get("error")))
-                return reply["result"]
+            answered = self._client.call({"op": op, "args": args}, timeout_s=self.timeout_s)
+        if answered is None:
+            raise ControlTimeout(f"control {op}: no reply from {self.endpoint} within {self.timeout_s} s "
+                                 "(is the owner process running?)")
+        reply = answered[0]
+        status = RpcStatus(reply["rpc"])
+        if status is not RpcStatus.OK:
+            raise ControlError(op, status, str(reply.get("error")))
+        return reply["result"]
 
 
 def _int(value: Any) -> int:

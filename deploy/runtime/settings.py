@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from kvlifecycle.rpc import TIMEOUTS, Timeouts
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +55,7 @@ class ServingSettings:
     store_endpoint: str = ""  # embedded: ipc://<run_dir>/store.sock; mooncake: master address
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
-    store_timeout_s: float = 0.5  # store RPCs on the request path give up after this
+    store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
     # mooncake only: host memory each model process's client gives the shared tier (0: the
     # cluster's memory nodes hold every object, so stopping a server loses nothing), and the
     # address other Mooncake nodes reach this host on.
@@ -79,6 +80,11 @@ class ServingSettings:
                              "master's address HOST:PORT (hstu-serve --mooncake-master)")
         if self.mooncake_segment_bytes < 0:
             raise ValueError(f"HSTU_MOONCAKE_SEGMENT_BYTES={self.mooncake_segment_bytes}: expected >= 0")
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """Every wait on another process (`kvlifecycle.rpc.Timeouts`), from HSTU_STORE_TIMEOUT_S."""
+        return Timeouts(store_rpc_s=self.store_timeout_s)
 
     @property
     def store_socket(self) -> str:

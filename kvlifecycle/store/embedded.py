@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import zmq
 
 from kvlifecycle import rpc
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
-from kvlifecycle.rpc import RpcStatus, decode, encode
+from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
 from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
                                    select_pages)
 from kvlifecycle.store.protocol import Op, pool_id
@@ -78,9 +77,10 @@ class EmbeddedStoreClient(HostStoreClient):
     need. ``register_pool`` sets it too; without either, puts and gets are refused (NO_POOL).
     """
 
-    def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = 0.5,
-                 retry_interval_s: float = 1.0, task_start_timeout_s: float = 5.0,
-                 pool_handle: dict[str, Any] | None = None, register_timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: str, page_size: int, rpc_timeout_s: float = TIMEOUTS.store_rpc_s,
+                 retry_interval_s: float = TIMEOUTS.store_retry_s, task_start_timeout_s: float = TIMEOUTS.task_start_s,
+                 pool_handle: dict[str, Any] | None = None,
+                 register_timeout_s: float = TIMEOUTS.store_register_s) -> None:
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
         if page_size <= 0 or page_size % 2:
@@ -92,17 +92,14 @@ class EmbeddedStoreClient(HostStoreClient):
         self.rpc_timeout_s = rpc_timeout_s
         self.retry_interval_s = retry_interval_s
         self.task_start_timeout_s = task_start_timeout_s
-        # Attaching a pool maps it in the store (a CUDA IPC open on a GPU), once per pool: it
-        # may take longer than a request's RPC budget, and a timeout here was counted as a
-        # store error on every clean start.
+        # Attaching a pool is slower than a request's RPC (rpc.Timeouts.store_register_s); a
+        # timeout here was counted as a store error on every clean start.
         self.register_timeout_s = register_timeout_s
         self._pool_handle = pool_handle
         self._pool_id = pool_id(pool_handle) if pool_handle is not None else None
         self._client_id = uuid.uuid4().hex
-        self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._client = RpcClient(endpoint)  # used under self._lock
         self._lock = threading.RLock()
-        self._seq = 0
         self._ids = itertools.count(1)
         self._up = True
         self._down_until = 0.0
@@ -122,9 +119,9 @@ class EmbeddedStoreClient(HostStoreClient):
             self._pool_handle = handle
             self._pool_id = pool_id(handle)
         reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle}, timeout_s=self.register_timeout_s)
-        if reply is not None and reply["rpc"] != RpcStatus.OK.value:
+        if reply is not None and reply["rpc"] is not RpcStatus.OK:
             self._count_refusal("register_pool", reply)
-        return reply is not None and reply["rpc"] == RpcStatus.OK.value
+        return reply is not None and reply["rpc"] is RpcStatus.OK
 
     def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
         tokens = tokens_as_int64(token_ids)
@@ -136,7 +133,7 @@ class EmbeddedStoreClient(HostStoreClient):
             if self._pool_id is not None:
                 header["pool"] = self._pool_id  # a store with one tier per pool (flexkv) matches in that one
             reply = self._rpc(header, {"tokens": tokens[: num_full * self.page_size]})
-            if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+            if reply is not None and reply["rpc"] is RpcStatus.OK:
                 pages = int(reply["pages"])
                 assert 0 <= pages <= num_full, f"get_match: store claims {pages} of {num_full} pages"
             elif reply is not None:
@@ -204,7 +201,7 @@ class EmbeddedStoreClient(HostStoreClient):
         now = time.monotonic()
         with self._lock:
             for task_id in remote:
-                if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+                if reply is not None and reply["rpc"] is RpcStatus.OK:
                     status = Status(reply["tasks"][str(task_id)])
                 elif now > self._remote[task_id] + _GRACE_S:
                     status = Status.FAILED  # unreachable past start_by: it will never run
@@ -229,25 +226,24 @@ class EmbeddedStoreClient(HostStoreClient):
 
     def ping(self) -> bool:
         reply = self._rpc({"op": Op.PING.value})
-        return reply is not None and reply["rpc"] == RpcStatus.OK.value
+        return reply is not None and reply["rpc"] is RpcStatus.OK
 
     def server_stats(self) -> dict[str, Any] | None:
         """The server's counters (``stats`` RPC), or None when unreachable."""
         reply = self._rpc({"op": Op.STATS.value})
-        return reply["stats"] if reply is not None and reply["rpc"] == RpcStatus.OK.value else None
+        return reply["stats"] if reply is not None and reply["rpc"] is RpcStatus.OK else None
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"backend": "embedded", "endpoint": self.endpoint, "up": self._up,
-                    "pending_tasks": len(self._remote), **self._counters}
+                    "pending_tasks": len(self._remote), **self._counters, **self._client.counters}
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._drop_socket()
-            self._ctx.term()
+            self._client.close()
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -266,7 +262,7 @@ class EmbeddedStoreClient(HostStoreClient):
         arrays = {"tokens": tokens, "seq_pages": seq_pages, "pool_pages": pool_pages}
         reply = self._rpc(header, arrays, accept_deadline=True)
         with self._lock:
-            if reply is not None and reply["rpc"] == RpcStatus.OK.value:
+            if reply is not None and reply["rpc"] is RpcStatus.OK:
                 self._remote[task_id] = start_by
                 self._counters[f"{op.value}_submitted"] += 1
             else:
@@ -279,8 +275,8 @@ class EmbeddedStoreClient(HostStoreClient):
     def _rpc(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
              accept_deadline: bool = False, retried: bool = False,
              timeout_s: float | None = None) -> dict[str, Any] | None:
-        """One request/reply within ``timeout_s`` (default ``rpc_timeout_s``); None when the
-        store is unreachable (counted and logged)."""
+        """One request/reply within ``timeout_s`` (default ``rpc_timeout_s``); its header, with
+        ``rpc`` an ``RpcStatus``. None when the store is unreachable (counted and logged)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("EmbeddedStoreClient: used after close()")
@@ -288,63 +284,21 @@ class EmbeddedStoreClient(HostStoreClient):
             if now < self._down_until:
                 self._counters["rpc_skipped_while_down"] += 1
                 return None
-            self._seq += 1
-            seq = self._seq
-            deadline = now + (timeout_s or self.rpc_timeout_s)
-            request = {**header, "seq": seq, "client": self._client_id}
+            request = {**header, "client": self._client_id}
             if accept_deadline:
                 # The server refuses the request after this, so the caller may give up at the deadline.
                 request["accept_by"] = now + self.rpc_timeout_s / 2
-            reply = self._exchange(encode(request, arrays), seq, deadline)
-            if reply is None:
+            answered = self._client.call(request, arrays, timeout_s or self.rpc_timeout_s)
+            if answered is None:
                 self._mark_down(header["op"], timeout_s or self.rpc_timeout_s)
                 return None
             self._mark_up()
-        if reply["rpc"] == RpcStatus.NO_POOL.value and self._pool_handle is not None and not retried:
+        reply = answered[0]
+        reply["rpc"] = RpcStatus(reply["rpc"])
+        if reply["rpc"] is RpcStatus.NO_POOL and self._pool_handle is not None and not retried:
             if self.register_pool(self._pool_handle):
                 return self._rpc(header, arrays, accept_deadline, retried=True)
         return reply
-
-    def _exchange(self, frames: list[bytes], seq: int, deadline: float) -> dict[str, Any] | None:
-        """Send and wait for the reply with ``seq``; None on timeout (socket dropped)."""
-        sock = self._socket()
-        if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
-            self._drop_socket()
-            return None
-        try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self._drop_socket()
-            return None
-        while True:
-            if not sock.poll(_ms_left(deadline), zmq.POLLIN):
-                self._drop_socket()
-                return None
-            raw = sock.recv_multipart()
-            try:
-                reply, _arrays = decode(raw[1:] if raw and raw[0] == b"" else raw)
-            except ValueError:
-                logger.error("embedded store: malformed reply dropped", exc_info=True)
-                self._counters["bad_replies"] += 1
-                continue
-            if reply.get("seq") == seq:
-                return reply
-            self._counters["stale_replies"] += 1
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing until the store is connected
-            sock.setsockopt(zmq.RECONNECT_IVL, 50)
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _drop_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
 
     def _mark_down(self, op: str, timeout_s: float) -> None:
         self._counters["errors"] += 1
@@ -364,8 +318,8 @@ class EmbeddedStoreClient(HostStoreClient):
 
     def _count_refusal(self, what: str, reply: dict[str, Any]) -> None:
         self._counters["errors"] += 1
-        self._counters[f"rpc_{reply['rpc']}"] += 1
-        logger.warning("host store refused %s: %s (%s)", what, reply["rpc"], reply.get("error", ""))
+        self._counters[f"rpc_{reply['rpc'].value}"] += 1
+        logger.warning("host store refused %s: %s (%s)", what, reply["rpc"].value, reply.get("error", ""))
 
 
 @dataclass
@@ -434,6 +388,3 @@ def start_store_process(endpoint: str, dram_bytes: int = 2 << 30, disk_dir: Path
         probe.close()
     return handle
 
-
-def _ms_left(deadline: float) -> int:
-    return max(0, int((deadline - time.monotonic()) * 1000))

@@ -32,7 +32,7 @@ import numpy as np
 import zmq
 
 from kvlifecycle.hashing import page_keys
-from kvlifecycle.rpc import RpcStatus, decode, encode, prepare_ipc_dir
+from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
 from kvlifecycle.store.copy_worker import CopyTask, CopyWorker
 from kvlifecycle.store.pools import AttachedPool, PoolRegistry
 from kvlifecycle.store.protocol import Op
@@ -80,9 +80,10 @@ class StoreServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(100, zmq.POLLIN):
-                    frames = sock.recv_multipart()
-                    reply = self._handle(frames)
-                    sock.send_multipart([frames[0], *encode(reply)])
+                    reply, status = answer(sock.recv_multipart(), self._dispatch)
+                    if status is RpcStatus.BAD_REQUEST:
+                        self._count("bad_requests")
+                    sock.send_multipart(reply)
                 now = time.monotonic()
                 if now - last_housekeeping > _HOUSEKEEPING_INTERVAL_S:
                     last_housekeeping = now
@@ -109,33 +110,11 @@ class StoreServer:
             out["by_pool"] = self.pools.stats()
         return out
 
-    # -- RPC handling -------------------------------------------------------------------
+    # -- RPC handling (socket thread) ---------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
-        try:
-            if len(frames) < 3 or frames[1] != b"":
-                raise ValueError("message: expected [identity, b'', header, arrays...]")
-            header, arrays = decode(frames[2:])
-        except ValueError as e:
-            self._count("bad_requests")
-            return {"seq": None, "rpc": RpcStatus.BAD_REQUEST.value, "error": str(e)}
-        seq = header.get("seq")
-        try:
-            op = Op(header.get("op"))
-            body = self._dispatch(op, header, arrays)
-        except _Reply as r:
-            body = {"rpc": r.status.value, "error": r.message}
-        except (ValueError, KeyError, TypeError) as e:
-            self._count("bad_requests")
-            body = {"rpc": RpcStatus.BAD_REQUEST.value, "error": f"{type(e).__name__}: {e}"}
-        except Exception as e:
-            logger.error("request %r failed", header.get("op"), exc_info=True)
-            body = {"rpc": RpcStatus.ERROR.value, "error": f"{type(e).__name__}: {e}"}
-        body.setdefault("rpc", RpcStatus.OK.value)
-        body["seq"] = seq
-        return body
-
-    def _dispatch(self, op: Op, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _dispatch(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One request's reply body (``rpc.answer`` adds the status)."""
+        op = Op(header.get("op"))
         self._count(f"rpc_{op.value}")
         client = str(header.get("client", ""))
         if op is Op.PING:
@@ -158,10 +137,10 @@ class StoreServer:
         assert op in (Op.PUT, Op.GET), f"_dispatch: unhandled op {op}"
         pool = self._require_pool(header.get("pool"), int(header["page_size"]))
         if self._stop.is_set():
-            raise _Reply(RpcStatus.BUSY, "the store is stopping")
+            raise RpcError(RpcStatus.BUSY, "the store is stopping")
         if time.monotonic() > float(header["accept_by"]):
             self._count("late_requests")
-            raise _Reply(RpcStatus.BUSY, "request arrived after the client's accept deadline")
+            raise RpcError(RpcStatus.BUSY, "request arrived after the client's accept deadline")
         task = CopyTask(client=client, task_id=int(header["task"]), op=op, pool=pool, namespace=str(header["ns"]),
                         tokens=arrays["tokens"], seq_pages=arrays["seq_pages"], pool_pages=arrays["pool_pages"],
                         start_by=float(header["start_by"]))
@@ -172,7 +151,7 @@ class StoreServer:
     def _match(self, page_size: int, tokens: np.ndarray, namespace: str) -> int:
         backing = self.pools.backing
         if backing is None:
-            raise _Reply(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
+            raise RpcError(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
         if page_size != self.pools.page_size:
             raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {page_size}")
         return backing.held_prefix(page_keys(tokens, namespace, page_size))
@@ -180,13 +159,13 @@ class StoreServer:
     def _require_pool(self, named: Any, page_size: int) -> AttachedPool:
         """The pool a put/get copies to/from."""
         if named is None:
-            raise _Reply(RpcStatus.NO_POOL, "the request names no pool; build the client with pool_handle= "
+            raise RpcError(RpcStatus.NO_POOL, "the request names no pool; build the client with pool_handle= "
                          "or call register_pool")
         if not isinstance(named, str):
             raise ValueError(f"pool: expected a pool id string (protocol.pool_id), got {named!r}")
         pool = self.pools.get(named)
         if pool is None:
-            raise _Reply(RpcStatus.NO_POOL, f"pool {named} is not attached; call register_pool")
+            raise RpcError(RpcStatus.NO_POOL, f"pool {named} is not attached; call register_pool")
         if page_size != pool.pool.spec.page_size:
             raise ValueError(f"page_size: pool {pool.pool_id} has {pool.pool.spec.page_size}, got {page_size}")
         return pool
@@ -208,11 +187,3 @@ def _check_task(task: CopyTask) -> None:
     if np.unique(task.seq_pages).size != task.seq_pages.size:
         raise ValueError("seq_pages: expected distinct pages")
 
-
-class _Reply(Exception):
-    """An expected non-OK RPC outcome."""
-
-    def __init__(self, status: RpcStatus, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message

@@ -1,4 +1,3 @@
-import json
 import os
 import stat
 import time
@@ -10,6 +9,7 @@ import zmq
 from kvlifecycle.control import (ControlClient, ControlError, ControlServer, ControlTimeout,
                                  default_endpoint)
 from kvlifecycle.pool import PoolSpec
+from kvlifecycle.rpc import RpcStatus, decode, encode
 
 from .conftest import kv_owner, run_child
 
@@ -64,24 +64,29 @@ def test_endpoint_directory_is_private():
     directory = os.path.dirname(endpoint[len("ipc://"):])
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     os.chmod(directory, 0o755)
-    with pytest.raises(ValueError, match="mode 0700"):
+    with pytest.raises(PermissionError, match="mode 0700.*chmod 700"):
         ControlServer(None, endpoint)
 
 
-@pytest.mark.parametrize("message,status", [
-    (b"not json", "bad_request"),
-    (json.dumps({"id": 1, "op": "nope"}).encode(), "bad_request"),
-    (json.dumps({"id": 2, "op": "commit", "args": {"lease_id": "x"}}).encode(), "bad_request"),
-    (json.dumps({"id": 3, "op": "ping"}).encode(), "ok"),
+@pytest.mark.parametrize("frames,status", [
+    ([b"", b"not json"], RpcStatus.BAD_REQUEST),
+    ([b"not json"], RpcStatus.BAD_REQUEST),  # no delimiter frame
+    (encode({"seq": 1, "op": "nope"}), RpcStatus.BAD_REQUEST),
+    (encode({"seq": 2, "op": "commit", "args": {"lease_id": "x"}}), RpcStatus.BAD_REQUEST),
+    (encode({"seq": 3, "op": "commit", "args": []}), RpcStatus.BAD_REQUEST),
+    (encode({"seq": 4, "args": {}}), RpcStatus.BAD_REQUEST),  # no op
+    (encode({"seq": 5, "op": "ping"}), RpcStatus.OK),
 ])
-def test_malformed_requests_get_a_status(message, status):
+def test_malformed_requests_get_a_status(frames, status):
     with kv_owner(SPEC) as owner:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(owner.endpoint)
-        sock.send(message)
+        sock.send_multipart(frames)
         assert sock.poll(2000)
-        assert json.loads(sock.recv())["status"] == status
+        reply, _arrays = decode(sock.recv_multipart()[1:])
+        assert RpcStatus(reply["rpc"]) is status, reply
+        assert bool(reply.get("error")) is (status is not RpcStatus.OK), reply
         sock.close(0)
         ctx.term()
 
@@ -89,8 +94,9 @@ def test_malformed_requests_get_a_status(message, status):
 def test_client_errors_are_clear():
     with kv_owner(SPEC) as owner:
         with ControlClient(owner.endpoint) as client:
-            with pytest.raises(ControlError, match="bad_request"):
+            with pytest.raises(ControlError, match="bad_request") as refused:
                 client._call("commit", {"lease_id": "x"})
+            assert refused.value.status is RpcStatus.BAD_REQUEST
             assert client.commit(12345) == []  # unknown lease: nothing to offload
             assert client.abort(12345) is False
     with ControlClient(default_endpoint(), timeout_s=0.2) as client:

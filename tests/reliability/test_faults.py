@@ -202,7 +202,7 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
         evict_from_device(client, first_user=3100)
         wait_drained(fault_server)
         # The same store contents (disk tier), now with every copy delayed by 3 s: longer than
-        # kv_lookup_alloc waits for an onboard (4 x store_timeout_s = 2 s).
+        # kv_lookup_alloc waits for an onboard (rpc.Timeouts.onboard_wait_s: 2 s).
         fault_server.stop_store()
         fault_server.store_copy_delay_s = 3.0
         try:

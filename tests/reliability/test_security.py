@@ -25,6 +25,7 @@ import zmq
 
 from deploy.launcher import Server
 from kvlifecycle.control import ControlClient
+from kvlifecycle.rpc import RpcStatus
 from kvlifecycle.store import open_store
 from tests.conftest import REPO_ROOT
 
@@ -121,7 +122,7 @@ def test_store_answers_a_pickled_payload_bad_request_and_keeps_serving(server: S
     for payload in (pickle.dumps(_Exploit(marker)), pickle.dumps({"v": 1, "op": "ping", "seq": 1, "arrays": []})):
         reply = _send_raw(server.settings.store_endpoint, [b"", payload])
         header = json.loads(reply[-1] if len(reply) == 1 else reply[1])
-        assert header["rpc"] == "bad_request", header
+        assert RpcStatus(header["rpc"]) is RpcStatus.BAD_REQUEST, header
     assert not marker.exists(), "the store unpickled a payload"
     store = open_store("embedded", endpoint=server.settings.store_endpoint, page_size=32, rpc_timeout_s=10.0)
     try:
@@ -134,9 +135,9 @@ def test_store_answers_a_pickled_payload_bad_request_and_keeps_serving(server: S
 def test_control_plane_answers_a_pickled_payload_bad_request_and_keeps_serving(server: Server,
                                                                                tmp_path: Path) -> None:
     marker = tmp_path / "control-unpickled"
-    for payload in (pickle.dumps(_Exploit(marker)), pickle.dumps({"id": 1, "op": "abort", "args": {"lease_id": 1}})):
-        reply = json.loads(_send_raw(server.settings.control_endpoint, [payload])[-1])
-        assert reply["status"] == "bad_request", reply
+    for payload in (pickle.dumps(_Exploit(marker)), pickle.dumps({"seq": 1, "op": "abort", "args": {"lease_id": 1}})):
+        reply = json.loads(_send_raw(server.settings.control_endpoint, [b"", payload])[-1])
+        assert RpcStatus(reply["rpc"]) is RpcStatus.BAD_REQUEST, reply
     assert not marker.exists(), "the control plane unpickled a payload"
     with ControlClient(server.settings.control_endpoint, timeout_s=10.0) as control:
         assert control.ping(), "the control plane stopped answering after a pickled payload"

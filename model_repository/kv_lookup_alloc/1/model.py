@@ -87,7 +87,7 @@ class TritonPythonModel:
         allocs = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
         allocated = time.perf_counter()
         try:
-            allocs = manager.onboard_many(allocs, timeout_s=self.settings.store_timeout_s * 4)
+            allocs = manager.onboard_many(allocs)  # waits settings.timeouts.onboard_wait_s (cache_owner)
         except Exception:
             for alloc in allocs:  # their pages return now, not at lease expiry
                 if isinstance(alloc, Allocation):
