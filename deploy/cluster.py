@@ -45,6 +45,7 @@ from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
 from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, _tail, _terminate, _wait_for,
                              build_model, wait_until_ready)
 from deploy.runtime.settings import REPO_ROOT
+from deploy.serving_options import add_serving_options, serving_settings
 
 logger = logging.getLogger("hstu-cluster")
 
@@ -63,7 +64,8 @@ class ClusterConfig:
     mooncake_port: int = 50051
     segment_bytes: int = 1 << 30  # host memory of the memory node: the shared tier's capacity
     run_dir: Path | None = None  # default: a fresh directory under /tmp
-    server: LaunchConfig = field(default_factory=LaunchConfig)  # template for every server (device, pool...)
+    # template for every server (device, pool, timeouts); the cluster sets each one's run dir, ports and store
+    server: LaunchConfig = field(default_factory=LaunchConfig)
     nginx: str = "nginx"
     ready_timeout_s: float = 600.0
 
@@ -95,10 +97,11 @@ class Cluster:
         self._release = threading.Event()  # lets the threads that started the servers end
         for i in range(config.num_servers):
             http, grpc, metrics = config.ports(i)
-            self.servers.append(Server(replace(
-                config.server, host=SERVER_HOST, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                store="mooncake", mooncake_master=self.master_address, mooncake_segment_bytes=0,
-                mooncake_local_hostname=config.host, run_dir=self.run_dir / f"server-{i}")))
+            serving = replace(config.server.serving, run_dir=self.run_dir / f"server-{i}", store="mooncake",
+                              store_endpoint=self.master_address, mooncake_segment_bytes=0,
+                              mooncake_local_hostname=config.host)
+            self.servers.append(Server(replace(config.server, serving=serving, host=SERVER_HOST, http_port=http,
+                                               grpc_port=grpc, metrics_port=metrics)))
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -128,9 +131,9 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o711)
         try:
-            s = self.config.server
             nginx_cmd = self._write_nginx_conf()  # a bad config fails before anything starts
-            build_model(self.servers[0].settings.model_dir, s.device, s.model_config)
+            settings = self.servers[0].settings
+            build_model(settings.model_dir, settings.device)
             self._start_master()
             self._start_node()
             self._start_servers()
@@ -257,6 +260,9 @@ class Cluster:
 
 # ---- command line ------------------------------------------------------------------------------
 
+CLUSTER_OPTIONS = ("device", "pool_pages", "lease_ttl_s", "store_timeout_s")  # ServingSettings options of every server
+
+
 def parse_args(argv: list[str] | None = None) -> ClusterConfig:
     p = argparse.ArgumentParser(prog="hstu-cluster", description=__doc__.split("\n")[0])
     p.add_argument("--servers", type=int, default=2, help="number of tritonservers")
@@ -268,12 +274,13 @@ def parse_args(argv: list[str] | None = None) -> ClusterConfig:
                    help="server i uses base+3i (HTTP), base+3i+1 (gRPC), base+3i+2 (metrics)")
     p.add_argument("--mooncake-port", type=int, default=50051)
     p.add_argument("--segment-bytes", type=int, default=1 << 30, help="host memory of the shared tier")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the model dir's)")
-    p.add_argument("--pool-pages", type=int, default=4096, help="device page pool size per server, in pages")
+    add_serving_options(p, CLUSTER_OPTIONS)
     p.add_argument("--run-dir", type=Path, help="logs, sockets and nginx.conf (default: a new dir under /tmp)")
     a = p.parse_args(argv)
-    server = LaunchConfig(device=a.device, model_config=a.model_config, pool_pages=a.pool_pages)
+    try:
+        server = LaunchConfig(serving=serving_settings(a, CLUSTER_OPTIONS))  # run dir and store: per server
+    except ValueError as e:
+        p.error(str(e))
     return ClusterConfig(num_servers=a.servers, host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
                          base_port=a.base_port, mooncake_port=a.mooncake_port, segment_bytes=a.segment_bytes,
                          run_dir=a.run_dir, server=server)

@@ -13,21 +13,24 @@ import json
 import logging
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from compute import HSTUConfig
 from deploy.client import CheckFailed, check_scores, reference_scores, replay
-from deploy.launcher import LaunchConfig, Server
+from deploy.launcher import LaunchConfig, Server, new_run_dir
+from deploy.metrics import Sample, scrape
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
+from deploy.serving_options import add_serving_options, serving_settings
 from deploy.trace import TraceConfig, generate
 
 
-def cache_metrics(metrics_url: str) -> list[str]:
-    """The hstu_kv_* lines of Triton's Prometheus endpoint."""
-    with urllib.request.urlopen(metrics_url, timeout=5) as r:
-        text = r.read().decode()
-    return [line for line in text.splitlines() if line.startswith("hstu_kv_")]
+def cache_metrics(metrics_url: str) -> list[Sample]:
+    """Every hstu_kv_* series on Triton's metrics endpoint."""
+    metrics = scrape(metrics_url)
+    return [sample for name in metrics.names("hstu_kv_") for sample in metrics.samples(name)]
+
+
+DEMO_OPTIONS = ("device", "pool_pages")  # the ServingSettings fields the demo takes as options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--median-events", type=float, default=200.0, help="median initial history, in events")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8],
                    help="one or more concurrency levels; every score is checked at each")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the repository's)")
-    p.add_argument("--pool-pages", type=int, default=4096)
+    add_serving_options(p, DEMO_OPTIONS)
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max abs diff vs the fp32 reference (state a larger one for bf16/fp16 configs)")
     p.add_argument("--json-out", type=Path, help="also write the results as JSON")
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    config = LaunchConfig(http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
-                          device=a.device, model_config=a.model_config, pool_pages=a.pool_pages)
+    serving = serving_settings(a, DEMO_OPTIONS, run_dir=new_run_dir(), store="embedded")
+    config = LaunchConfig(serving=serving, http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port)
     report: dict = {"device": a.device, "tolerance": a.tolerance, "runs": []}
     failed = False
     with Server(config) as server:
@@ -77,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{result.throughput:>9.1f}{result.percentile_ms(50):>9.1f}{result.percentile_ms(99):>9.1f}"
                       f"{worst:>12.2e}" + (f"  FAIL: {failure}" if failure else ""))
         print("\nKV-cache metrics:")
-        report["metrics"] = cache_metrics(server.metrics_url)
-        for line in report["metrics"]:
-            print("  " + line)
+        samples = cache_metrics(server.metrics_url)
+        report["metrics"] = [sample._asdict() for sample in samples]
+        for name, labels, value in samples:
+            print(f"  {name}{{{','.join(f'{k}={v}' for k, v in labels.items())}}} {value:g}")
         stop_started = time.monotonic()
     report["stop_s"] = time.monotonic() - stop_started
     print(f"\nstopped in {report['stop_s']:.1f} s")

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -43,7 +43,8 @@ from typing import Callable
 
 from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
                           nginx_command, render_nginx_conf, write_nginx_conf)
-from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY, REPO_ROOT, STORE_KINDS, ServingSettings
+from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, ServingSettings
+from deploy.serving_options import add_serving_options, serving_settings
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 logger = logging.getLogger("hstu-serve")
@@ -60,6 +61,10 @@ UNVERIFIED_STORES = {
 
 @dataclass
 class LaunchConfig:
+    """How hstu-serve starts and exposes one server. `serving` is what every model process reads (the
+    launcher hands it to them as HSTU_* variables); the other fields are the launcher's own."""
+
+    serving: ServingSettings = field(default_factory=lambda: ServingSettings(run_dir=new_run_dir(), store="embedded"))
     model_repository: Path = DEFAULT_MODEL_REPOSITORY
     host: str = "127.0.0.1"  # loopback by default; beyond loopback, the nginx front serves HTTP and gRPC
     http_port: int = 8000
@@ -69,29 +74,16 @@ class LaunchConfig:
     triton_http_port: int = 0
     triton_grpc_port: int = 0
     nginx: str = "nginx"
-    device: str = "cpu"
-    store: str = "embedded"
-    mooncake_master: str = ""  # --store mooncake: the master's HOST:PORT (the launcher starts no store)
-    mooncake_segment_bytes: int = 256 << 20  # per model process; 0 when memory nodes hold the tier
-    mooncake_local_hostname: str = "127.0.0.1"  # the address Mooncake peers reach this host on
-    model_config: Path | None = None  # an HSTUConfig JSON; default: the one in the model dir
-    pool_pages: int = 4096
-    lease_ttl_s: float = 30.0
-    store_dram_bytes: int = 2 << 30
-    store_disk_dir: Path | None = None
+    store_dram_bytes: int = 2 << 30  # the embedded store's DRAM tier
+    store_disk_dir: Path | None = None  # the embedded store's disk tier (none by default)
     model_control: str = "none"  # "explicit" lets clients load/unload models
     ready_timeout_s: float = 300.0
     exit_timeout_s: int = 60
-    run_dir: Path | None = None  # default: a fresh directory under /tmp
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model_control not in ("none", "explicit"):
             raise ValueError(f"model_control={self.model_control!r}: expected 'none' or 'explicit'")
-        if self.store not in STORE_KINDS:
-            raise ValueError(f"store={self.store!r}: expected one of {STORE_KINDS}")
-        if self.store == "mooncake" and not self.mooncake_master:
-            raise ValueError("store='mooncake' needs mooncake_master (--mooncake-master HOST:PORT)")
         for name in ("http_port", "grpc_port", "metrics_port"):
             port = getattr(self, name)
             if not 0 < port < 65536:
@@ -112,29 +104,27 @@ class Server:
 
     def __init__(self, config: LaunchConfig):
         self.config = config
-        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="hstu-serve-"))
-        self.settings = ServingSettings(
-            run_dir=self.run_dir,
-            device=config.device,
-            model_dir=_model_dir_for(config.model_config),
-            store=config.store,
-            store_endpoint=config.mooncake_master if config.store == "mooncake" else "",
-            mooncake_segment_bytes=config.mooncake_segment_bytes,
-            mooncake_local_hostname=config.mooncake_local_hostname,
-            pool_pages=config.pool_pages,
-            lease_ttl_s=config.lease_ttl_s,
-        )
         self.triton: subprocess.Popen | None = None
         self.store: subprocess.Popen | None = None
         self.front: subprocess.Popen | None = None  # nginx, when config.fronted
         self.exited: tuple[str, Path] | None = None  # (name, log) of the child whose death watch() reported
         self.triton_ports: tuple[int, int] | None = None  # tritonserver's (HTTP, gRPC) behind the front
-        if config.store in UNVERIFIED_STORES:
-            logger.warning("--store %s is UNVERIFIED (experimental): %s", config.store, UNVERIFIED_STORES[config.store])
+        if self.settings.store in UNVERIFIED_STORES:
+            logger.warning("--store %s is UNVERIFIED (experimental): %s", self.settings.store,
+                           UNVERIFIED_STORES[self.settings.store])
         self._store_restarts = 0
         self._lock = threading.Lock()
 
     # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> ServingSettings:
+        return self.config.serving
+
+    @property
+    def run_dir(self) -> Path:
+        """Sockets, the pool handle and logs: private to this user (0700)."""
+        return self.settings.run_dir
 
     @property
     def http_url(self) -> str:
@@ -163,10 +153,9 @@ class Server:
         return self.run_dir / "store.log"
 
     def start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir, 0o700)
+        self.settings.prepare_run_dir()
         nginx_cmd = self._write_front_conf() if self.config.fronted else None  # fails before anything starts
-        build_model(self.settings.model_dir, self.config.device, self.config.model_config)
+        build_model(self.settings.model_dir, self.settings.device)
         try:
             if self.settings.store in STORE_PROCESS_KINDS:
                 self.start_store()
@@ -282,7 +271,7 @@ class Server:
         """tritonserver's HTTP and gRPC ports behind the front (configured, or free ones picked once)."""
         if self.triton_ports is None:
             c = self.config
-            free = iter(_free_ports(2))
+            free = iter(free_loopback_ports(2))
             self.triton_ports = (c.triton_http_port or next(free), c.triton_grpc_port or next(free))
         return self.triton_ports
 
@@ -350,11 +339,13 @@ def wait_until_ready(url: str, timeout_s: float, check_alive: Callable[[], None]
     return False
 
 
-def build_model(model_dir: Path, device: str, model_config: Path | None = None) -> None:
-    """Run `hstu-build` (a no-op when the AOTI package is up to date)."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    if model_config is not None:
-        shutil.copyfile(model_config, model_dir / "hstu_config.json")
+def new_run_dir() -> Path:
+    """A fresh run dir path under the temp dir (created 0700 at start, by `prepare_run_dir`)."""
+    return Path(tempfile.gettempdir()) / f"hstu-serve-{secrets.token_hex(6)}"
+
+
+def build_model(model_dir: Path, device: str) -> None:
+    """Run `hstu-build` on `model_dir` (a no-op when the AOTI package is up to date)."""
     # `hstu-build`, spelled so that it also runs where the project is not pip-installed (GPU host).
     cmd = [sys.executable, "-c", "import sys; from compute.build import main; sys.exit(main(sys.argv[1:]))",
            "--model-dir", str(model_dir), "--device", device]
@@ -362,15 +353,7 @@ def build_model(model_dir: Path, device: str, model_config: Path | None = None) 
     subprocess.run(cmd, check=True, cwd=REPO_ROOT)
 
 
-def _model_dir_for(model_config: Path | None) -> Path:
-    """The default model dir, or a per-config build dir so a custom config never edits the repo."""
-    if model_config is None:
-        return DEFAULT_MODEL_DIR
-    digest = hashlib.sha256(Path(model_config).read_bytes()).hexdigest()[:16]
-    return REPO_ROOT / ".cache" / "models" / digest
-
-
-def _free_ports(n: int) -> list[int]:
+def free_loopback_ports(n: int) -> list[int]:
     """n distinct TCP ports free on loopback now (bound, then released)."""
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -454,6 +437,10 @@ beyond loopback (--host neither localhost nor a loopback address such as 127.0.0
 """
 
 
+SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s", "mooncake_segment_bytes",
+                 "mooncake_local_hostname")  # the ServingSettings fields hstu-serve takes as options
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="hstu-serve", description=__doc__.split("\n")[0], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -469,19 +456,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
                    help="with the front: tritonserver's own HTTP port on 127.0.0.1 (default: a free port)")
     p.add_argument("--triton-grpc-port", type=int, default=0,
                    help="with the front: tritonserver's own gRPC port on 127.0.0.1 (default: a free port)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--store", choices=STORE_KINDS, default="embedded",
-                   help="host KV tier: embedded (our store process, started here), mooncake (a running "
-                        "Mooncake master), none (the device cache alone), flexkv (UNVERIFIED, experimental: "
-                        "never run; see below)")
+    add_serving_options(p, SERVE_OPTIONS, store="embedded")
     p.add_argument("--mooncake-master", default="", metavar="HOST:PORT",
                    help="--store mooncake: the running mooncake_master every server shares")
-    p.add_argument("--mooncake-segment-bytes", type=int, default=256 << 20,
-                   help="--store mooncake: host memory each model process gives the tier (0: memory nodes hold it)")
-    p.add_argument("--mooncake-local-hostname", default="127.0.0.1",
-                   help="--store mooncake: the address Mooncake peers reach this host on")
-    p.add_argument("--model-config", type=Path, help="HSTUConfig JSON (default: the model dir's)")
-    p.add_argument("--pool-pages", type=int, default=4096, help="device page pool size, in pages")
     p.add_argument("--store-dram-bytes", type=int, default=2 << 30)
     p.add_argument("--store-disk-dir", type=Path, help="enable the store's disk tier in this directory")
     p.add_argument("--model-control", choices=["none", "explicit"], default="none")
@@ -492,14 +469,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     a = p.parse_args(argv)
     if a.store == "mooncake" and not a.mooncake_master:
         p.error("--store mooncake needs --mooncake-master HOST:PORT (a running mooncake_master)")
-    cfg = LaunchConfig(model_repository=a.model_repository.resolve(), host=a.host, http_port=a.http_port,
-                       grpc_port=a.grpc_port, metrics_port=a.metrics_port, triton_http_port=a.triton_http_port,
-                       triton_grpc_port=a.triton_grpc_port, device=a.device, store=a.store,
-                       mooncake_master=a.mooncake_master, mooncake_segment_bytes=a.mooncake_segment_bytes,
-                       mooncake_local_hostname=a.mooncake_local_hostname,
-                       model_config=a.model_config, pool_pages=a.pool_pages,
+    try:
+        serving = serving_settings(a, SERVE_OPTIONS, run_dir=a.run_dir or new_run_dir(),
+                                   store_endpoint=a.mooncake_master if a.store == "mooncake" else "")
+    except ValueError as e:
+        p.error(str(e))
+    cfg = LaunchConfig(serving=serving, model_repository=a.model_repository.resolve(), host=a.host,
+                       http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
+                       triton_http_port=a.triton_http_port, triton_grpc_port=a.triton_grpc_port,
                        store_dram_bytes=a.store_dram_bytes, store_disk_dir=a.store_disk_dir,
-                       model_control=a.model_control, ready_timeout_s=a.ready_timeout, run_dir=a.run_dir)
+                       model_control=a.model_control, ready_timeout_s=a.ready_timeout)
     return cfg, a
 
 

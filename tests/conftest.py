@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import random
 import socket
+from dataclasses import fields
 from pathlib import Path
 
 import psutil
 import pytest
 
 from deploy.launcher import LaunchConfig, Server
+from deploy.runtime.settings import ServingSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,11 +81,15 @@ class LocalServer(Server):
 
 
 def launch_config(tmp_path: Path, **overrides) -> LaunchConfig:
+    """hstu-serve's defaults on free ports with its run dir in `tmp_path`; `overrides` name fields of
+    `LaunchConfig` or of its `ServingSettings` (pool_pages=96, store="none", model_control=...)."""
+    serving_names = {f.name for f in fields(ServingSettings)}
+    serving = ServingSettings(**{"run_dir": tmp_path / "run", "store": "embedded",
+                                 **{k: v for k, v in overrides.items() if k in serving_names}})
     http, grpc, metrics = free_ports(3)
-    kwargs = dict(http_port=http, grpc_port=grpc, metrics_port=metrics, run_dir=tmp_path / "run",
-                  ready_timeout_s=600.0)
-    kwargs.update(overrides)
-    return LaunchConfig(**kwargs)
+    kwargs = dict(http_port=http, grpc_port=grpc, metrics_port=metrics, ready_timeout_s=600.0)
+    kwargs.update({k: v for k, v in overrides.items() if k not in serving_names})
+    return LaunchConfig(serving, **kwargs)
 
 
 def start_server(tmp_path: Path, **overrides) -> LocalServer:

@@ -19,8 +19,9 @@ Connection: the backing calls ``MooncakeDistributedStore.setup`` (P2PHANDSHAKE m
 default) against ``master_address``, contributing ``segment_bytes`` of this process's memory to
 the cluster (0 when memory nodes, ``deploy/mooncake_node.py``, hold the pages). It sets up only
 once the master's port accepts a connection, so a master that is down costs a refused connect,
-not a 90 s ``setup``; when a call fails, the store is dropped and set up again after
-``retry_interval_s`` (a restarted master knows nothing of the old one's segments).
+not a 90 s ``setup``; when a call fails, the store is dropped (its ``close`` holds this process
+a few seconds: the models see store timeouts meanwhile) and set up afresh after
+``retry_interval_s``, so a failure never leaves a half-working client behind.
 
 CPU hosts: the wheel links ``libcuda.so.1`` and ``libcudart.so.12``. Where the driver is
 absent, ``load_mooncake`` preloads a no-device stub ``libcuda.so.1`` (every entry point
@@ -258,8 +259,8 @@ class MooncakeBacking(Backing):
             return store
 
     def _failed(self, store: Any, what: str, why: str) -> None:
-        """Drop a store whose call failed (the master stopped answering, or restarted and forgot
-        its segments); the next call sets up a fresh one after the back-off."""
+        """Drop a store whose call failed (the master stopped answering); the next call sets up a
+        fresh one after the back-off."""
         self._down(what, why)
         with self._lock:
             if self._store is not store:

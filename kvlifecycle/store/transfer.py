@@ -47,8 +47,8 @@ class PageCopier:
         """Offload: ``out[rows[i]] = pool[:, pool_pages[i]]`` for every i."""
         if len(pool_pages) == 0:
             return
-        pages = torch.from_numpy(np.ascontiguousarray(pool_pages, dtype=np.int64))
-        host_rows = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        pages = torch.from_numpy(np.array(pool_pages, dtype=np.int64))  # a copy: frames are read-only
+        host_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
         if not self._cuda:
             staged = self.pool.index_select(1, pages)  # [L, n, 2, S, H, D]
             out.index_copy_(0, host_rows, staged.transpose(0, 1))  # rows of [n, L, 2, S, H, D]
@@ -67,8 +67,8 @@ class PageCopier:
         """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i."""
         if len(pool_pages) == 0:
             return
-        pages = torch.from_numpy(np.ascontiguousarray(pool_pages, dtype=np.int64))
-        host_rows = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        pages = torch.from_numpy(np.array(pool_pages, dtype=np.int64))  # a copy: frames are read-only
+        host_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
         if not self._cuda:
             staged = src.index_select(0, host_rows)  # [n, L, 2, S, H, D]
             self.pool.index_copy_(1, pages, staged.transpose(0, 1))

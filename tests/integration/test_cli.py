@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deploy import trace as trace_mod
-from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
+from deploy.runtime.schema import ENSEMBLE, LOOKUP, MONOLITHIC
 from deploy.trace import TraceConfig, generate
 from tests.conftest import PORT_ATTEMPTS, REPO_ROOT, free_ports
 
@@ -67,7 +67,8 @@ def test_demo_serves_checks_every_score_and_stops_cleanly(tmp_path: Path) -> Non
     for r in result["runs"]:
         assert (r["ok"], r["errors"], r["failure"]) == (20, 0, None), r
         assert 0 <= r["max_abs_diff"] <= result["tolerance"] and r["throughput"] > 0, r
-    assert any(line.startswith('hstu_kv_lookups_total{model="kv_lookup_alloc"') for line in result["metrics"])
+    lookups = [s for s in result["metrics"] if s["name"] == "hstu_kv_lookups_total" and s["labels"]["model"] == LOOKUP]
+    assert sorted(s["labels"]["outcome"] for s in lookups) == ["device_hit", "host_hit", "miss"], result["metrics"]
 
 
 @pytest.mark.integration
@@ -82,9 +83,12 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
     [point] = report["phases"]["sweep"]["points"]
     assert point["concurrency"] == 2
     for model in (ENSEMBLE, MONOLITHIC):
-        [measured] = point[model]["runs"]
+        [measured] = point["models"][model]["runs"]
         assert (measured["ok"], measured["errors"]) == (16, 0), (model, measured)
         assert measured["throughput"] > 0 and 0 < measured["p50_ms"] <= measured["p99_ms"], (model, measured)
+        assert len(measured["latencies_ms"]) == 16 and measured["lookups"]["by_outcome"]["miss"] >= 0, (model, measured)
+    assert report["model"]["compute_batching"]["max_batch_size"] > 0, report["model"]
+    assert set(report["phases"]["kv_cache"]) == {"warmup", "sweep", "total"}, report["phases"]["kv_cache"]
     assert report["summary"]["rows"][0]["concurrency"] == 2
     assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
     assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout

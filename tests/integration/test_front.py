@@ -30,6 +30,7 @@ from deploy.cluster import Cluster, ClusterConfig
 from deploy.front import MAX_BODY_SIZE, MAX_INPUT_DEPTH, write_nginx_conf
 from deploy.launcher import LaunchConfig, Server
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.settings import ServingSettings
 from tests.conftest import REPO_ROOT, free_ports
 
 pytestmark = pytest.mark.integration
@@ -219,8 +220,8 @@ def test_the_front_serves_exactly_beyond_loopback(host: str, fronted: bool) -> N
 
 
 def test_hstu_serve_and_hstu_cluster_render_the_same_front(tmp_path: Path) -> None:
-    server = Server(LaunchConfig(host="0.0.0.0", triton_http_port=9100, triton_grpc_port=9101,
-                                 run_dir=tmp_path / "serve"))
+    server = Server(LaunchConfig(ServingSettings(run_dir=tmp_path / "serve", store="embedded"), host="0.0.0.0",
+                                 triton_http_port=9100, triton_grpc_port=9101))
     cluster = Cluster(ClusterConfig(num_servers=2, run_dir=tmp_path / "cluster"))
     assert "--http-address=127.0.0.1" in server.triton_command() and "--grpc-port=9101" in server.triton_command()
     assert all(srv.config.host == "127.0.0.1" for srv in cluster.servers)

@@ -21,6 +21,7 @@ from deploy.client import ROUTE_HEADER, replay
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig, Server
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.settings import ServingSettings
 from deploy.trace import TraceConfig, generate
 from tests.conftest import free_ports
 from tests.integration.test_ensemble import assert_matches_reference, metric
@@ -67,7 +68,7 @@ def cluster(tmp_path_factory):
         num_servers=2, http_port=ports[0], grpc_port=ports[1], mooncake_port=ports[2],
         server_ports=[tuple(ports[3:6]), tuple(ports[6:9])], segment_bytes=256 << 20,
         run_dir=tmp_path_factory.mktemp("cluster") / "run", ready_timeout_s=600.0,
-        server=LaunchConfig(pool_pages=1024, ready_timeout_s=600.0))
+        server=LaunchConfig(ServingSettings(pool_pages=1024), ready_timeout_s=600.0))
     c = Cluster(config)
     try:
         c.start()

@@ -1,11 +1,16 @@
-"""What `hstu-serve --help` promises: the nginx front beyond loopback, and `--store flexkv`
-labeled unverified (choosing it warns). No server is started."""
+"""What `hstu-serve --help` promises: the nginx front beyond loopback, `--store flexkv` labeled
+unverified (choosing it warns), and the serving settings' options shared with hstu-cluster. No
+server is started."""
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
+from deploy import cluster as hstu_cluster
+from deploy import launcher
+from deploy.runtime.settings import ServingSettings
 from kvlifecycle.store import STORE_KINDS
 from tests.conftest import REPO_ROOT
 
@@ -24,3 +29,24 @@ def test_choosing_flexkv_logs_a_warning(tmp_path: Path) -> None:
                           cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert "WARNING --store flexkv is UNVERIFIED (experimental)" in done.stderr, done.stderr
     assert "export HSTU_STORE=flexkv" in done.stdout
+
+
+def test_serve_and_cluster_options_are_the_serving_settings(tmp_path: Path) -> None:
+    shared = ["--device", "cpu", "--pool-pages", "96", "--lease-ttl-s", "5", "--store-timeout-s", "2"]
+
+    serve, _ = launcher.parse_args([*shared, "--run-dir", str(tmp_path / "run"), "--store", "none"])
+    cluster = hstu_cluster.parse_args(shared)
+
+    expected = {"device": "cpu", "pool_pages": 96, "lease_ttl_s": 5.0, "store_timeout_s": 2.0}
+    for settings in (serve.serving, cluster.server.serving):
+        assert {name: getattr(settings, name) for name in expected} == expected
+    assert (serve.serving.run_dir, serve.serving.store) == (tmp_path / "run", "none")
+    assert set(launcher.SERVE_OPTIONS) | set(hstu_cluster.CLUSTER_OPTIONS) <= {f.name for f in fields(ServingSettings)}
+
+
+def test_a_bad_setting_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    done = subprocess.run([HSTU_SERVE, "--pool-pages", "1", "--print-env", "--run-dir", str(tmp_path / "run")],
+                          cwd=REPO_ROOT, capture_output=True, text=True)
+
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "HSTU_POOL_PAGES=1: need at least 2 pages" in done.stderr, done.stderr

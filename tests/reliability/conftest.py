@@ -116,7 +116,7 @@ class _EarlyStart:
             return
         cls.server = FaultServer(fault_launch_config(Path(tempfile.mkdtemp(prefix="hstu-fault-server-"))))
         # Build (or check) the model here, so two servers starting at once never build it together.
-        build_model(cls.server.settings.model_dir, cls.server.config.device, cls.server.config.model_config)
+        build_model(cls.server.settings.model_dir, cls.server.settings.device)
         cls.thread = threading.Thread(target=cls._run, name="fault-server", daemon=True)
         cls.thread.start()
 

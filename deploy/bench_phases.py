@@ -1,0 +1,402 @@
+"""hstu-bench's measurements against running servers; each phase returns its typed result (deploy/bench_results.py).
+
+    bench = Bench(server_a, config, model)          # model: the served HSTUConfig and its page size
+    bench.run_on_a() -> PhaseResults                # warm-up, then the configured phases, in this order:
+      sweep          throughput and p50/p95/p99 per concurrency (`deploy.client.replay`), `repeats` runs
+                     per point, the two models interleaved (ABBA) so drift hits both; Triton's per-model
+                     statistics and the KV metrics read around every run.
+      perf_analyzer  the same points once per model, a cross-check.
+      cache          concurrency 1, 64 candidates: a device hit (the user's history again + 8 new events),
+                     a host hit (a history the other model offloaded), a miss (fresh history, same length),
+                     for 256 / 1,024 / 4,096 history tokens.
+      hop_overhead   1 candidate, 2 events (compute negligible), concurrency 1: ensemble minus monolithic.
+    bench.offload_compare(server_b) -> OffloadComparison   # B: --store none; the same load on A and B, interleaved
+
+The hstu_kv_* metrics are scraped at every phase boundary (`PhaseResults.kv_cache` holds the deltas).
+Every measured run replays the same trace relabelled into fresh user and item ids (`relabel`): the
+two models share the host store and its keys are content-addressed over tokens, so without it a
+model would find the KV the other model (or an earlier run) offloaded and skip the misses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from compute import HSTUConfig
+from deploy.bench_perf_analyzer import run_perf_analyzer
+from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, HopOverhead, MeasuredRun, OffloadComparison,
+                                  OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary, Spread, Sweep,
+                                  SweepPoint, TimedRequest, TraceSummary)
+from deploy.client import RankingClient, ReplayResult, replay
+from deploy.launcher import Server
+from deploy.metrics import Metrics, scrape
+from deploy.runtime.cache_owner import pool_spec
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, RankingRequest
+from deploy.runtime.settings import ServingSettings
+from deploy.server_stats import LOOKUP_OUTCOMES, hop_stats, kv_cache_stats, offload_queue_depth, read_model_stats
+from deploy.trace import TraceConfig, generate, perf_analyzer_data
+
+logger = logging.getLogger("hstu-bench")
+
+MODELS = (ENSEMBLE, MONOLITHIC)
+PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "offload")
+CACHE_HISTORY_TOKENS = (256, 1024, 4096)
+CACHE_NEW_EVENTS = 8
+CACHE_CANDIDATES = 64
+COMMIT_WAIT_S = 0.5  # hstu_ranking commits a request's pages just after FINAL; let it land
+METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
+LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
+
+
+@dataclass
+class BenchConfig:
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
+    repeats: int = 3
+    users: int = 20
+    requests: int = 200
+    initial_events_median: float = 200.0
+    warmup_requests: int = 32
+    phases: tuple[str, ...] = ("sweep", "perf_analyzer", "cache", "hop_overhead", "offload")
+    pa_interval_ms: int = 3000  # perf_analyzer: 3 windows of this length per point
+    overhead_requests: int = 30
+    offload_concurrency: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats}: expected >= 1")
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies={self.concurrencies}: expected positive integers")
+        unknown = set(self.phases) - set(PHASES)
+        if unknown:
+            raise ValueError(f"phases: unknown {sorted(unknown)}; expected some of {PHASES}")
+
+    @classmethod
+    def quick(cls) -> "BenchConfig":
+        return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=2000,
+                   overhead_requests=20)
+
+
+@dataclass
+class ServedModel:
+    """The served HSTUConfig, and the bytes of one page of its KV cache."""
+
+    config: HSTUConfig
+    page_bytes: int
+
+    @classmethod
+    def load(cls, settings: ServingSettings) -> "ServedModel":
+        config = HSTUConfig.load(settings.model_dir)
+        return cls(config, pool_spec(config, settings).page_bytes)
+
+
+class Bench:
+    """All phases against one server (A); `offload_compare` adds a second one (B)."""
+
+    def __init__(self, server: Server, cfg: BenchConfig, model: ServedModel):
+        self.server, self.cfg, self.model = server, cfg, model.config
+        self.page_bytes = model.page_bytes
+        self.base = generate(TraceConfig(num_users=cfg.users, num_requests=cfg.requests, seed=cfg.seed,
+                                         initial_events_median=cfg.initial_events_median,
+                                         max_history_events=self.model.max_history_events,
+                                         item_vocab=self.model.item_vocab, action_vocab=self.model.action_vocab))
+        self._variant = 0
+        self._rng = np.random.default_rng(cfg.seed + 1)
+        self.failed_requests = 0  # over every replay; hstu-bench exits non-zero when any failed
+
+    def run_on_a(self) -> PhaseResults:
+        results = PhaseResults()
+        scrapes = [("start", scrape(self.server.metrics_url))]
+
+        def boundary(name: str) -> None:
+            time.sleep(METRICS_SETTLE_S)
+            scrapes.append((name, scrape(self.server.metrics_url)))
+
+        self.warmup()
+        boundary("warmup")
+        for name, step in (("sweep", self.sweep), ("perf_analyzer", self.perf_analyzer_sweep),
+                           ("cache", self.cache), ("hop_overhead", self.hop_overhead)):
+            if name in self.cfg.phases:
+                setattr(results, name, step())
+                boundary(name)
+        for (_, before), (name, after) in zip(scrapes, scrapes[1:]):
+            results.kv_cache[name] = kv_cache_stats(before, after, self.page_bytes)
+        results.kv_cache["total"] = kv_cache_stats(scrapes[0][1], scrapes[-1][1], self.page_bytes)
+        return results
+
+    def warmup(self) -> None:
+        trace = self.base[: self.cfg.warmup_requests]
+        for model in MODELS:
+            logger.info("warm-up: %s", model)
+            self.replay(self.fresh_trace(trace), self.server, model, 4)
+
+    def sweep(self) -> Sweep:
+        points = []
+        for c in self.cfg.concurrencies:
+            runs: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
+            for r in range(self.cfg.repeats):
+                for model in abba(r):
+                    runs[model].append(self.measured_replay(self.server, model, c))
+            point = SweepPoint(c, {m: RunsSummary.of(runs[m]) for m in MODELS})
+            for model, s in point.models.items():
+                logger.info("c=%d %s: %.1f req/s, p99 %.1f ms", c, model, s.throughput.median, s.p99_ms.median)
+            points.append(point)
+        trace = TraceSummary(self.cfg.users, self.cfg.requests,
+                             history_events_mean=float(np.mean([len(r.item_ids) for r in self.base])),
+                             candidates_mean=float(np.mean([len(r.candidate_ids) for r in self.base])))
+        return Sweep(trace, points)
+
+    def perf_analyzer_sweep(self) -> list[PerfAnalyzerPoint]:
+        points = []
+        with tempfile.TemporaryDirectory(prefix="hstu-bench-pa-") as tmp:
+            for i, c in enumerate(self.cfg.concurrencies):
+                point = PerfAnalyzerPoint(c, {})
+                for model in abba(i):
+                    data = Path(tmp) / f"{model}-{c}.json"
+                    data.write_text(json.dumps(perf_analyzer_data(self.fresh_trace())))
+                    result = run_perf_analyzer(self.server.grpc_url, model, c, data, Path(tmp) / f"{model}-{c}.csv",
+                                               self.cfg.pa_interval_ms)
+                    point.models[model] = result
+                    logger.info("perf_analyzer c=%d %s: %.1f req/s, p99 %.1f ms", c, model, result.throughput,
+                                result.p99_ms)
+                points.append(point)
+        return points
+
+    def cache(self) -> list[CacheRow]:
+        """Device hit vs host hit vs miss at concurrency 1, per history length and model."""
+        rows = []
+        clients = {m: RankingClient(self.server.grpc_url, model=m, timeout_s=120) for m in MODELS}
+        try:
+            for tokens in CACHE_HISTORY_TOKENS:
+                events = tokens // 2
+                if events > self.model.max_history_events:
+                    logger.warning("cache: %d tokens exceed the model's max history; skipped", tokens)
+                    continue
+                samples = {m: {kind: [] for kind in LOOKUP_OUTCOMES} for m in MODELS}
+                for r in range(self.cfg.repeats):
+                    warm_histories = {}
+                    for model in abba(r):
+                        history, user = self._history(events), self._user()
+                        prime = RankingRequest(user, history.item_ids[:-CACHE_NEW_EVENTS],
+                                               history.action_ids[:-CACHE_NEW_EVENTS], history.candidate_ids)
+                        self._score_settled(clients[model], model, prime)
+                        time.sleep(COMMIT_WAIT_S)
+                        warm = dataclasses.replace(history, user_id=user)
+                        cold = self._history(events)
+                        for kind, req in (("device_hit", warm), ("miss", cold))[:: 1 if r % 2 == 0 else -1]:
+                            samples[model][kind].append(self._timed(clients[model], model, req))
+                        warm_histories[model] = warm
+                    time.sleep(COMMIT_WAIT_S)  # hstu_ranking offloads after FINAL
+                    for model in MODELS:  # the other model's history: in the store, not in this pool
+                        other = warm_histories[MONOLITHIC if model == ENSEMBLE else ENSEMBLE]
+                        samples[model]["host_hit"].append(
+                            self._timed(clients[model], model, dataclasses.replace(other, user_id=self._user())))
+                row = CacheRow(tokens, 2 * CACHE_NEW_EVENTS, CACHE_CANDIDATES,
+                               {m: _cache_model_row(samples[m]) for m in MODELS})
+                for model, m in row.models.items():
+                    logger.info("cache %d tokens %s: hit %.1f ms, host hit %.1f ms, miss %.1f ms", tokens, model,
+                                *(m.cases[k].latency_ms.median for k in LOOKUP_OUTCOMES))
+                rows.append(row)
+        finally:
+            for client in clients.values():
+                client.close()
+        return rows
+
+    def hop_overhead(self) -> HopOverhead:
+        """Trivial compute (2 events, 1 candidate), concurrency 1: the ensemble's three hops vs one call."""
+        n = self.cfg.overhead_requests
+        blocks: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
+        clients = {m: RankingClient(self.server.grpc_url, model=m) for m in MODELS}
+        try:
+            for model in MODELS:  # untimed first calls
+                for _ in range(3):
+                    clients[model].score(self._tiny())
+            for r in range(self.cfg.repeats):
+                for model in abba(r):
+                    before = read_model_stats(self.server.http_url)
+                    latencies = []
+                    for _ in range(n):
+                        req = self._tiny()
+                        t0 = time.perf_counter()
+                        clients[model].score(req)
+                        latencies.append(time.perf_counter() - t0)
+                    run = ReplayResult(latencies_s=latencies, scores=dict.fromkeys(range(n)), wall_s=sum(latencies))
+                    hops = hop_stats(before, read_model_stats(self.server.http_url))
+                    blocks[model].append(MeasuredRun.of(run, hops, lookups=None))
+        finally:
+            for client in clients.values():
+                client.close()
+        summaries = {m: RunsSummary.of(blocks[m]) for m in MODELS}
+        return HopOverhead(
+            method=(f"{self.cfg.repeats} blocks of {n} sequential requests per model on one gRPC stream each, blocks "
+                    "interleaved; each request has a fresh user, 2 history events (4 tokens: no full page, nothing "
+                    "cached or offloaded) and 1 candidate, so compute is negligible. overhead = median latency of "
+                    "hstu_ranking - median latency of hstu_monolithic (client-side, p50 of each block, median over "
+                    "blocks)"),
+            models=summaries, overhead_ms=summaries[ENSEMBLE].p50_ms.median - summaries[MONOLITHIC].p50_ms.median,
+            overhead_per_block_ms=[e.p50_ms - m.p50_ms for e, m in zip(blocks[ENSEMBLE], blocks[MONOLITHIC])])
+
+    def offload_compare(self, off: Server) -> OffloadComparison:
+        """The same load on A (offload on) and B (--store none), interleaved."""
+        c = self.cfg.offload_concurrency
+        for model in MODELS:  # warm B
+            self.replay(self.fresh_trace(self.base[: self.cfg.warmup_requests]), off, model, 4)
+        time.sleep(METRICS_SETTLE_S)  # the warm-up's lookups published before the first run's scrape
+        runs: dict[str, dict[str, list[MeasuredRun]]] = {m: {"on": [], "off": []} for m in MODELS}
+        for r in range(self.cfg.repeats):
+            for model in abba(r):
+                for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                    server = self.server if side == "on" else off
+                    runs[model][side].append(self.measured_replay(server, model, c))
+                    _drain_offloads(server)  # a run's deferred offloads must not land in the next run
+        models = {}
+        for model in MODELS:
+            on, off_ = RunsSummary.of(runs[model]["on"]), RunsSummary.of(runs[model]["off"])
+            models[model] = OffloadSides(on, off_, p99_on_over_off=on.p99_ms.median / off_.p99_ms.median,
+                                         p50_on_over_off=on.p50_ms.median / off_.p50_ms.median,
+                                         throughput_on_over_off=on.throughput.median / off_.throughput.median)
+            logger.info("offload %s c=%d: p99 on/off %.2f", model, c, models[model].p99_on_over_off)
+        return OffloadComparison(c, (
+            "server A (--store embedded) and server B (--store none) up at once; per repeat and model, one run "
+            "on each, order alternated, each followed by a wait until kv_offload's queue is empty; each run a "
+            "fresh relabelling of the sweep trace"), models)
+
+    # ---- one request or run -----------------------------------------------------------------
+
+    def replay(self, trace: list[RankingRequest], server: Server, model: str, concurrency: int) -> ReplayResult:
+        """`deploy.client.replay`, counting failed requests; a run that scored nothing raises (there is
+        nothing to measure, and its throughput of 0 would read as a result)."""
+        result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
+        self.failed_requests += len(result.errors)
+        if not result.scores:
+            raise RuntimeError(f"hstu-bench: {model} at concurrency {concurrency} on {server.grpc_url}: "
+                               f"{result.failure}; nothing to measure")
+        if result.errors:
+            logger.warning("%d errors, first: %s", len(result.errors), next(iter(result.errors.values())))
+        return result
+
+    def measured_replay(self, server: Server, model: str, concurrency: int) -> MeasuredRun:
+        trace = self.fresh_trace()
+        stats_before, metrics_before = read_model_stats(server.http_url), scrape(server.metrics_url)
+        result = self.replay(trace, server, model, concurrency)
+        stats_after = read_model_stats(server.http_url)
+        metrics_after = _lookups_published(server, _owner(model), _lookups(metrics_before, model) + len(result.scores))
+        lookups = kv_cache_stats(metrics_before, metrics_after, self.page_bytes)[_owner(model)].lookups
+        return MeasuredRun.of(result, hop_stats(stats_before, stats_after), lookups)
+
+    def fresh_trace(self, trace: list[RankingRequest] | None = None) -> list[RankingRequest]:
+        self._variant += 1
+        return relabel(self.base if trace is None else trace, self._variant, self.model.item_vocab)
+
+    def _timed(self, client: RankingClient, model: str, request: RankingRequest) -> TimedRequest:
+        """One request: client latency, the server-side compute of the model doing the math, and the
+        outcome of its lookup."""
+        stats_before, metrics_before = read_model_stats(self.server.http_url), scrape(self.server.metrics_url)
+        t0 = time.perf_counter()
+        client.score(request)
+        latency = time.perf_counter() - t0
+        hops = hop_stats(stats_before, read_model_stats(self.server.http_url))
+        metrics_after = _lookups_published(self.server, _owner(model), _lookups(metrics_before, model) + 1)
+        lookups = kv_cache_stats(metrics_before, metrics_after, 0)[_owner(model)].lookups
+        hop = hops.get(COMPUTE if model == ENSEMBLE else MONOLITHIC)
+        return TimedRequest(latency * 1e3, hop.ms_per_request["compute_infer"] if hop else float("nan"),
+                            lookups.outcome)
+
+    def _score_settled(self, client: RankingClient, model: str, request: RankingRequest) -> None:
+        """Score one request and wait until its lookup is published, so the next scrape starts clean."""
+        before = _lookups(scrape(self.server.metrics_url), model)
+        client.score(request)
+        _lookups_published(self.server, _owner(model), before + 1)
+
+    def _user(self) -> int:
+        return int(self._rng.integers(10**9, 2 * 10**9))
+
+    def _history(self, events: int) -> RankingRequest:
+        m = self.model
+        return RankingRequest(self._user(), self._rng.integers(1, m.item_vocab, events).tolist(),
+                              self._rng.integers(0, m.action_vocab, events).tolist(),
+                              self._rng.integers(1, m.item_vocab, CACHE_CANDIDATES).tolist())
+
+    def _tiny(self) -> RankingRequest:
+        m = self.model
+        return RankingRequest(self._user(), self._rng.integers(1, m.item_vocab, 2).tolist(),
+                              self._rng.integers(0, m.action_vocab, 2).tolist(),
+                              self._rng.integers(1, m.item_vocab, 1).tolist())
+
+
+def abba(r: int) -> tuple[str, str]:
+    """Which model goes first alternates between repeats."""
+    return MODELS if r % 2 == 0 else MODELS[::-1]
+
+
+def relabel(trace: list[RankingRequest], variant: int, item_vocab: int) -> list[RankingRequest]:
+    """The same trace (users, lengths, order) with user and item ids moved into a fresh id space.
+
+    Items are shifted by a per-variant offset modulo the vocabulary (a bijection on 1..vocab-1, so
+    a user's growing history stays a growing prefix); users get a per-variant offset."""
+    shift = (variant * 7919) % (item_vocab - 1)
+    move = lambda ids: [1 + (i - 1 + shift) % (item_vocab - 1) for i in ids]  # noqa: E731
+    return [RankingRequest(r.user_id + variant * 1_000_000, move(r.item_ids), list(r.action_ids),
+                           move(r.candidate_ids)) for r in trace]
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _cache_model_row(samples: dict[str, list[TimedRequest]]) -> CacheModelRow:
+    cases = {kind: _cache_case(s, kind) for kind, s in samples.items()}
+    median = lambda kind, figure: getattr(cases[kind], figure).median  # noqa: E731
+    return CacheModelRow(cases, miss_over_device_hit=median("miss", "latency_ms") / median("device_hit", "latency_ms"),
+                         miss_over_host_hit=median("miss", "latency_ms") / median("host_hit", "latency_ms"),
+                         compute_miss_over_device_hit=median("miss", "compute_ms") / median("device_hit", "compute_ms"))
+
+
+def _cache_case(samples: list[TimedRequest], kind: str) -> CacheCase:
+    """Median and spread over the samples whose lookup outcome (from the metrics) was `kind`."""
+    good = [s for s in samples if s.outcome == kind]
+    if len(good) < len(samples):
+        logger.warning("cache: %d of %d '%s' samples had another lookup outcome (%s); left out",
+                       len(samples) - len(good), len(samples), kind, [s.outcome for s in samples])
+    return CacheCase(Spread.of([s.latency_ms for s in good]), Spread.of([s.compute_ms for s in good]),
+                     outcome_mismatches=len(samples) - len(good), samples=samples)
+
+
+def _owner(model: str) -> str:
+    """The model whose hstu_kv_lookups_total counts `model`'s requests."""
+    return LOOKUP if model == ENSEMBLE else MONOLITHIC
+
+
+def _lookups(metrics: Metrics, model: str) -> float:
+    return metrics.value("hstu_kv_lookups_total", model=_owner(model))
+
+
+def _lookups_published(server: Server, owner: str, at_least: float) -> Metrics:
+    """A scrape in which `owner` has published at least `at_least` lookups in all. The models publish
+    their counters from a background thread every second (`deploy.runtime.triton_metrics`), so a
+    scrape right after a request may not count it yet."""
+    deadline = time.monotonic() + LOOKUPS_PUBLISHED_TIMEOUT_S
+    while True:
+        metrics = scrape(server.metrics_url)
+        total = metrics.value("hstu_kv_lookups_total", model=owner)
+        if total >= at_least:
+            return metrics
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{owner} on {server.metrics_url} published {total:.0f} lookups, expected at least "
+                               f"{at_least:.0f} after {LOOKUPS_PUBLISHED_TIMEOUT_S:g}s; is it publishing its metrics?")
+        time.sleep(0.1)
+
+
+def _drain_offloads(server: Server, timeout_s: float = 30.0) -> None:
+    """Wait until kv_offload has no put in flight (the gauge is refreshed as puts are reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if offload_queue_depth(scrape(server.metrics_url)) == 0:
+            return
+        time.sleep(0.1)
+    logger.warning("kv_offload still has offloads in flight after %.0f s", timeout_s)
