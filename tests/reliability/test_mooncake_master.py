@@ -57,7 +57,7 @@ def mooncake_server(tmp_path_factory):
         pytest.skip(f"mooncake: {reason}")
     root = tmp_path_factory.mktemp("mooncake-server")
     master = Master(root / "mooncake-master.log")
-    server = LocalServer(launch_config(root, store="mooncake", mooncake_master=master.process.address,
+    server = LocalServer(launch_config(root, store="mooncake", store_endpoint=master.process.address,
                                        pool_pages=POOL_PAGES, mooncake_segment_bytes=64 << 20))
     try:
         server.start()
