@@ -56,9 +56,10 @@ class ServingSettings:
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
-    # mooncake only: host memory each model process's client gives the shared tier (0: the
-    # cluster's memory nodes hold every object, so stopping a server loses nothing), and the
-    # address other Mooncake nodes reach this host on.
+    # mooncake only, read by the launcher for the store process (the one Mooncake client of a
+    # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
+    # memory nodes hold every object, so stopping a server loses nothing), and the address other
+    # Mooncake nodes reach this host on.
     mooncake_segment_bytes: int = 256 << 20
     mooncake_local_hostname: str = "127.0.0.1"
 
