@@ -60,10 +60,7 @@ def _throughput(report: BenchReport, path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle(f"hstu_ranking vs hstu_monolithic, {report.machine.cpu} "
                  f"(median of {report.bench_config.repeats} runs, bars min-max)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _latency_cdf(report: BenchReport, path: Path) -> Path:
@@ -84,10 +81,7 @@ def _latency_cdf(report: BenchReport, path: Path) -> Path:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     ax.set_title("latency CDF, all sweep runs pooled", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _cache(report: BenchReport, path: Path) -> Path:
@@ -112,6 +106,12 @@ def _cache(report: BenchReport, path: Path) -> Path:
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"cached prefix (device hit: +{rows[0].new_tokens_on_hit} new tokens; "
                  f"host hit: onboarded) vs miss, {rows[0].candidates} candidates", fontsize=9)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    serving = serving_settings(a, DEMO_OPTIONS, run_dir=new_run_dir(), store="embedded")
+    try:
+        serving = serving_settings(a, DEMO_OPTIONS, run_dir=new_run_dir(), store="embedded")
+    except ValueError as e:
+        p.error(str(e))
     config = LaunchConfig(serving=serving, http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port)
     report: dict = {"device": a.device, "tolerance": a.tolerance, "runs": []}
     failed = False

@@ -42,8 +42,10 @@ class Duration:
 class ModelStats:
     """One model's cumulative counters (all versions of it)."""
 
-    success: Duration
-    executions: int
+    success: Duration  # requests answered
+    fail: Duration  # requests failed
+    inferences: int  # requests executed (batched or not)
+    executions: int  # model executions (one per dynamic batch)
     stages: dict[str, Duration]  # TRITON_STAGES -> per-request time (each request counts its batch's time)
     batches: dict[int, Duration]  # batch size -> executions of that size and their compute_infer time
 
@@ -119,7 +121,8 @@ def read_model_stats(http_url: str) -> dict[str, ModelStats]:
     out: dict[str, ModelStats] = {}
     for m in body["model_stats"]:
         s = m["inference_stats"]
-        stats = ModelStats(success=_duration(s["success"]), executions=int(m["execution_count"]),
+        stats = ModelStats(success=_duration(s["success"]), fail=_duration(s["fail"]),
+                           inferences=int(m["inference_count"]), executions=int(m["execution_count"]),
                            stages={k: _duration(s[k]) for k in TRITON_STAGES},
                            batches={int(b["batch_size"]): _duration(b["compute_infer"]) for b in m.get("batch_stats", [])})
         previous = out.get(m["name"])
@@ -161,7 +164,8 @@ def _duration(stat: dict) -> Duration:
 def _sum(a: ModelStats, b: ModelStats) -> ModelStats:
     plus = lambda x, y: Duration(x.count + y.count, x.ns + y.ns)  # noqa: E731
     zero = Duration(0, 0)
-    return ModelStats(plus(a.success, b.success), a.executions + b.executions,
+    return ModelStats(plus(a.success, b.success), plus(a.fail, b.fail), a.inferences + b.inferences,
+                      a.executions + b.executions,
                       {k: plus(a.stages[k], b.stages[k]) for k in TRITON_STAGES},
                       {s: plus(a.batches.get(s, zero), b.batches.get(s, zero)) for s in {*a.batches, *b.batches}})
 

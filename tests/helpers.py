@@ -6,19 +6,19 @@ tritonserver reports (Prometheus metrics, per-model statistics).
 - `metric(server, name, **labels)`: the sum of the series `name` whose labels include `labels`
   (`deploy.metrics`, the reader the tools use too); raises `MissingSeries` when no such series
   exists (a renamed or missing series must not read as 0).
-- `ModelStats.read(server, model)`: `/v2/models/<model>/stats`: request counts, executions, and
-  the dynamic batcher's batch sizes; subtract two reads for what happened in between.
+- `ModelStats.read(server, model)`: Triton's statistics of one model (`deploy.server_stats`, the
+  parser hstu-bench uses too): request counts, executions, and the dynamic batcher's batch
+  sizes; subtract two reads for what happened in between.
 """
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from deploy.metrics import scrape
+from deploy.server_stats import read_model_stats
 
 T = TypeVar("T")
 
@@ -56,18 +56,9 @@ class ModelStats:
 
     @classmethod
     def read(cls, server, model: str) -> "ModelStats":
-        url = f"http://{server.http_url}/v2/models/{model}/stats"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            body = json.loads(r.read())
-        out = cls()
-        for s in body["model_stats"]:
-            out.success += int(s["inference_stats"]["success"]["count"])
-            out.fail += int(s["inference_stats"]["fail"]["count"])
-            out.inferences += int(s["inference_count"])
-            out.executions += int(s["execution_count"])
-            for b in s.get("batch_stats", []):
-                out.batches[int(b["batch_size"])] += int(b["compute_infer"]["count"])
-        return out
+        s = read_model_stats(server.http_url)[model]  # the parser hstu-bench uses too
+        return cls(s.success.count, s.fail.count, s.inferences, s.executions,
+                   Counter({size: d.count for size, d in s.batches.items()}))
 
     def __sub__(self, before: "ModelStats") -> "ModelStats":
         batches = Counter({size: n - before.batches.get(size, 0) for size, n in self.batches.items()})

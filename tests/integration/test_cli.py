@@ -86,7 +86,8 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
         [measured] = point["models"][model]["runs"]
         assert (measured["ok"], measured["errors"]) == (16, 0), (model, measured)
         assert measured["throughput"] > 0 and 0 < measured["p50_ms"] <= measured["p99_ms"], (model, measured)
-        assert len(measured["latencies_ms"]) == 16 and measured["lookups"]["by_outcome"]["miss"] >= 0, (model, measured)
+        # one lookup per request, each published before the run's figures were taken
+        assert len(measured["latencies_ms"]) == 16 and sum(measured["lookups"]["by_outcome"].values()) == 16, measured
     assert report["model"]["compute_batching"]["max_batch_size"] > 0, report["model"]
     assert set(report["phases"]["kv_cache"]) == {"warmup", "sweep", "total"}, report["phases"]["kv_cache"]
     assert report["summary"]["rows"][0]["concurrency"] == 2

@@ -66,7 +66,8 @@ def test_a_cache_owner_without_its_lookups_fails_loudly() -> None:
 def stats(success: int, executions: int, infer_ns: int, batches: dict[int, tuple[int, int]]) -> ModelStats:
     stages = {"queue": Duration(success, success * 1_000_000), "compute_input": Duration(success, 0),
               "compute_infer": Duration(success, infer_ns), "compute_output": Duration(success, 0)}
-    return ModelStats(Duration(success, 0), executions, stages, {s: Duration(*v) for s, v in batches.items()})
+    return ModelStats(Duration(success, 0), Duration(0, 0), success, executions, stages,
+                      {s: Duration(*v) for s, v in batches.items()})
 
 
 def test_hop_stats_are_per_request_means_and_batch_sizes_between_two_reads() -> None:
