@@ -6,7 +6,10 @@ One scenario, in the order a deployment lives it:
      each server's kv_lookup_alloc counted exactly the requests of the users sent to it;
   2. server 0 stops (it flushes its offloads into the shared tier); its users' next requests
      go to server 1, are served correctly, and server 1 finds their pages in the tier (host hits);
-  3. the cluster stops and leaves no process behind.
+  3. the Mooncake master dies: server 1 serves new users by recompute, each within seconds (its
+     Mooncake client is in its store process, not in the models); the master restarted, the
+     memory node mounts its segment again and server 1's offloads reach the tier;
+  4. the cluster stops and leaves no process behind.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ from deploy.launcher import LaunchConfig, Server
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.runtime.settings import ServingSettings
 from deploy.trace import TraceConfig, generate
+from kvlifecycle.store import open_store
+from kvlifecycle.store.mooncake import start_master
 from tests.conftest import free_ports
 from tests.integration.test_ensemble import assert_matches_reference, metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 OUTCOMES = ("device_hit", "host_hit", "miss")
+OUTAGE_REQUEST_S = 10.0  # a request while the master is dead: a few store timeouts plus the compute
 
 
 def lookups(server: Server, outcome: str | None = None) -> float:
@@ -135,10 +141,43 @@ def test_users_stick_to_one_server_and_move_with_their_cache(cluster: Cluster, r
         assert time.monotonic() < deadline, f"access log: moved users {moved} not all answered by {s1.grpc_url}"
         time.sleep(0.2)
 
-    # 3. A clean stop leaves nothing behind (nor any process in the children's process groups).
+    # 3. The master dies and comes back.
+    cluster.master.proc.kill()
+    cluster.master.proc.wait()
+    outage = generate(TraceConfig(num_users=3, num_requests=3, seed=12, initial_events_median=80))
+    result = replay(outage, cluster.grpc_url, model=ENSEMBLE, concurrency=1, route_header=ROUTE_HEADER,
+                    timeout_s=120.0)
+    assert_matches_reference(outage, result, reference, what="master dead:")
+    assert max(result.latencies_s) < OUTAGE_REQUEST_S, f"a stall with the master dead: {result.latencies_s}"
+    cluster.master = start_master(cluster.config.mooncake_port, log_path=cluster.run_dir / "mooncake-master.log")
+    probes = iter(generate(TraceConfig(num_users=30, num_requests=30, seed=13, initial_events_median=80)))
+
+    def probe_reaches_the_tier() -> bool:
+        before = pages_put(s1)
+        probe = [next(probes)]
+        result = replay(probe, cluster.grpc_url, model=ENSEMBLE, route_header=ROUTE_HEADER, timeout_s=120.0)
+        assert_matches_reference(probe, result, reference, what="master restarted:")
+        deadline = time.monotonic() + 3  # the offload runs after the answer
+        while pages_put(s1) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return pages_put(s1) > before
+
+    deadline = time.monotonic() + 90
+    while not probe_reaches_the_tier():
+        assert time.monotonic() < deadline, "no offload reached the restarted master within 90 s"
+
+    # 4. A clean stop leaves nothing behind (nor any process in the children's process groups).
     pids = set(cluster.process_ids())
     cluster.stop()
     assert not leftovers(pids), f"still running after stop: {leftovers(pids)}"
+
+
+def pages_put(server: Server) -> int:
+    """Pages the server's store process has put into the tier (its own counter: exact, immediate)."""
+    with open_store("mooncake", endpoint=server.settings.store_socket, page_size=32, rpc_timeout_s=30.0) as store:
+        stats = store.server_stats()
+    assert stats is not None, f"the store process at {server.settings.store_socket} does not answer"
+    return stats.get("put_pages", 0)
 
 
 def leftovers(pids: set[int]) -> list[str]:
