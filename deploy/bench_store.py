@@ -25,7 +25,8 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import Status, open_store
-from kvlifecycle.store.embedded import default_endpoint, start_store_process
+from kvlifecycle.rpc import default_endpoint
+from kvlifecycle.store.embedded import start_store_process
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
                     num_heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, device=a.device)
     pool = PagePool.create(spec)
     pool.tensor.copy_(torch.randn(spec.shape).to(spec.torch_dtype))
-    endpoint = default_endpoint()
+    endpoint = default_endpoint("store.sock")
     # DRAM tier big enough that offloads of distinct sequences never evict during a run.
     dram_bytes = spec.page_bytes * max(PAGES_PER_CALL) * (calls + 2)
-    proc = start_store_process(endpoint, dram_bytes=dram_bytes, pool_handle=pool.handle())
+    proc = start_store_process(endpoint, dram_bytes=dram_bytes)
     rows: list[dict[str, Any]] = []
     try:
-        with open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0) as store:
+        with open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0,
+                        pool_handle=pool.handle()) as store:
             for n in PAGES_PER_CALL:
                 rows.append(_measure(store, pool, spec, n, calls))
                 print(_format(rows[-1]))
