@@ -38,14 +38,13 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
-from kvlifecycle import rpc
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed, OffloadItem
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, prepare_ipc_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout", "default_endpoint"]
+__all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout"]
 
 
 class ControlError(RuntimeError):
@@ -57,11 +56,6 @@ class ControlError(RuntimeError):
 
 class ControlTimeout(TimeoutError):
     """No reply within the client's timeout (is the owner process running?)."""
-
-
-def default_endpoint() -> str:
-    """A fresh ``ipc://`` control endpoint in a new private (0700) temporary directory."""
-    return rpc.default_endpoint("control.sock")
 
 
 class ControlServer:

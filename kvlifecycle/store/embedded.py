@@ -41,7 +41,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvlifecycle import rpc
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
 from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
@@ -50,7 +49,7 @@ from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmbeddedStoreClient", "StoreProcess", "start_store_process", "default_endpoint"]
+__all__ = ["EmbeddedStoreClient", "StoreProcess", "start_store_process"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
 
@@ -349,11 +348,6 @@ class StoreProcess:
 
 
 STORE_PROGRAM = ("-m", "kvlifecycle.store")  # the store server's command, after the interpreter
-
-
-def default_endpoint() -> str:
-    """``ipc://`` in a fresh private (0700) temporary directory."""
-    return rpc.default_endpoint("store.sock")
 
 
 def start_store_process(endpoint: str, dram_bytes: int = 2 << 30, disk_dir: Path | None = None,

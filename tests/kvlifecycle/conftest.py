@@ -21,10 +21,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from kvlifecycle.control import ControlServer, default_endpoint
+from kvlifecycle.control import ControlServer
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
-from kvlifecycle.store.embedded import default_endpoint as store_endpoint
+from kvlifecycle.rpc import default_endpoint
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -43,7 +43,7 @@ def kv_owner(spec: PoolSpec, namespace: str = "test-ns", store: Any = None,
              **manager_kwargs: Any) -> Iterator[Owner]:
     pool = PagePool.create(spec)
     manager = KVCacheManager(spec, namespace, store, **manager_kwargs)
-    endpoint = default_endpoint()
+    endpoint = default_endpoint("control.sock")
     server = ControlServer(manager, endpoint, expire_interval_s=0.05)
     try:
         yield Owner(pool, manager, server, endpoint)
@@ -79,7 +79,7 @@ def pool(tiny_spec: PoolSpec) -> Iterator[PagePool]:
 @pytest.fixture
 def endpoint() -> Iterator[str]:
     """A fresh ipc endpoint for a store server; its socket and 0700 directory are removed after."""
-    ep = store_endpoint()
+    ep = default_endpoint("store.sock")
     yield ep
     sock = Path(ep.removeprefix("ipc://"))
     sock.unlink(missing_ok=True)

@@ -6,10 +6,9 @@ import pytest
 import torch
 import zmq
 
-from kvlifecycle.control import (ControlClient, ControlError, ControlServer, ControlTimeout,
-                                 default_endpoint)
+from kvlifecycle.control import ControlClient, ControlError, ControlServer, ControlTimeout
 from kvlifecycle.pool import PoolSpec
-from kvlifecycle.rpc import RpcStatus, decode, encode
+from kvlifecycle.rpc import RpcStatus, decode, default_endpoint, encode
 
 from .conftest import kv_owner, run_child
 
@@ -60,7 +59,7 @@ def test_idle_server_expires_leases():
 
 
 def test_endpoint_directory_is_private():
-    endpoint = default_endpoint()
+    endpoint = default_endpoint("control.sock")
     directory = os.path.dirname(endpoint[len("ipc://"):])
     assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
     os.chmod(directory, 0o755)
@@ -99,6 +98,6 @@ def test_client_errors_are_clear():
             assert refused.value.status is RpcStatus.BAD_REQUEST
             assert client.commit(12345) == []  # unknown lease: nothing to offload
             assert client.abort(12345) is False
-    with ControlClient(default_endpoint(), timeout_s=0.2) as client:
+    with ControlClient(default_endpoint("control.sock"), timeout_s=0.2) as client:
         with pytest.raises(ControlTimeout, match="no reply"):
             client.ping()

@@ -18,7 +18,8 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import HostStoreClient, open_store
-from kvlifecycle.store.embedded import STORE_PROGRAM, default_endpoint, start_store_process
+from kvlifecycle.rpc import default_endpoint
+from kvlifecycle.store.embedded import STORE_PROGRAM, start_store_process
 
 SPEC = PoolSpec(num_layers=2, num_pages=32, page_size=4, num_heads=2, head_dim=8)  # 1 KiB pages
 NS = "model-fingerprint-a"
@@ -72,7 +73,7 @@ class EmbeddedHarness:
         if not self.dedicated and "proc" in _SHARED_EMBEDDED:
             self.endpoint, self.proc = _SHARED_EMBEDDED["endpoint"], _SHARED_EMBEDDED["proc"]
             return
-        self.endpoint = default_endpoint()
+        self.endpoint = default_endpoint("store.sock")
         self.start()
         if not self.dedicated:
             _SHARED_EMBEDDED.update(endpoint=self.endpoint, proc=self.proc)
@@ -129,7 +130,7 @@ class MooncakeHarness:
             self.master, self.endpoint, self.proc = (_SHARED_MOONCAKE[k] for k in ("master", "endpoint", "proc"))
             return
         self.master = start_master()
-        self.endpoint = default_endpoint()
+        self.endpoint = default_endpoint("store.sock")
         program, extra_args = store_program(copy_delay_s)
         self.proc = start_store_process(
             self.endpoint, extra_args=["--backing", "mooncake", "--mooncake-master", self.master.address,
