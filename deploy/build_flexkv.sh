@@ -53,7 +53,9 @@ fi
 if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
   TORCH_CUDA_ARCH_LIST=$("$PYTHON" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 fi
-export TORCH_CUDA_ARCH_LIST FLEXKV_ENABLE_METRICS=0 MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+# FLEXKV_DEBUG=1 keeps FlexKV's Python modules as Python (no Cython pass): the Cython pass fails on
+# its sglang connector at this commit, and the CUDA/C++ extension is built the same either way.
+export TORCH_CUDA_ARCH_LIST FLEXKV_ENABLE_METRICS=0 FLEXKV_DEBUG=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 # ---- idempotence: the same source, torch and arch build once ---------------------------------
 if [ -d "$SRC" ]; then digest=$(cd "$SRC" && find . -path ./build -prune -o -type f \( -name '*.py' -o -name '*.cpp' \
@@ -67,7 +69,7 @@ if [ -f "$PREFIX/stamp" ] && [ "$(cat "$PREFIX/stamp")" = "$stamp" ] \
 fi
 
 # ---- build ----------------------------------------------------------------------------------
-rm -rf "$PREFIX/src" && mkdir -p "$PREFIX/src" "$PREFIX/site"
+rm -rf "$PREFIX/src" "$PREFIX/site" && mkdir -p "$PREFIX/src" "$PREFIX/site"
 if [ -d "$SRC" ]; then cp -a "$SRC"/. "$PREFIX/src/"
 else tar -xzf "$SRC" -C "$PREFIX/src" --strip-components=1; fi
 [ -f "$PREFIX/src/third_party/xxHash/xxhash.h" ] && [ -d "$PREFIX/src/third_party/spdlog/include" ] \

@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import urllib.error
@@ -43,6 +42,7 @@ from typing import Callable
 
 from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
                           nginx_command, render_nginx_conf, write_nginx_conf)
+from kvlifecycle.store.flexkv import flexkv_unavailable_reason
 from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, ServingSettings
 from deploy.serving_options import add_serving_options, serving_settings
 from deploy.triton_env import find_triton, install_stub, triton_env
@@ -51,12 +51,7 @@ logger = logging.getLogger("hstu-serve")
 
 ENSEMBLE = "hstu_ranking"
 TRITON_HOST = "127.0.0.1"  # where tritonserver listens when the nginx front serves --host
-STORE_PROCESS_KINDS = ("embedded", "mooncake")  # --store values served by a store process hstu-serve starts
-UNVERIFIED_STORES = {
-    "flexkv": ("kvlifecycle/store/flexkv.py is written against a guessed FlexKV API and has never run "
-               "(issue 14); hstu-serve starts no FlexKV service, and the models fail to load unless a "
-               "FlexKV build matches that guess"),
-}
+STORE_PROCESS_KINDS = ("embedded", "mooncake", "flexkv")  # --store values served by a store process hstu-serve starts
 
 
 @dataclass
@@ -109,9 +104,6 @@ class Server:
         self.front: subprocess.Popen | None = None  # nginx, when config.fronted
         self.exited: tuple[str, Path] | None = None  # (name, log) of the child whose death watch() reported
         self.triton_ports: tuple[int, int] | None = None  # tritonserver's (HTTP, gRPC) behind the front
-        if self.settings.store in UNVERIFIED_STORES:
-            logger.warning("--store %s is UNVERIFIED (experimental): %s", self.settings.store,
-                           UNVERIFIED_STORES[self.settings.store])
         self._store_restarts = 0
         self._lock = threading.Lock()
 
@@ -153,6 +145,8 @@ class Server:
         return self.run_dir / "store.log"
 
     def start(self) -> None:
+        if self.settings.store == "flexkv" and (reason := flexkv_unavailable_reason()) is not None:
+            raise RuntimeError(f"--store flexkv: {reason}")  # before anything starts
         self.settings.prepare_run_dir()
         nginx_cmd = self._write_front_conf() if self.config.fronted else None  # fails before anything starts
         build_model(self.settings.model_dir, self.settings.device)
@@ -229,6 +223,9 @@ class Server:
         the store process holds the Mooncake client (the models only ever see a store timeout when
         the master is gone) and keeps pages in the tier behind the master at `store_endpoint`."""
         s = self.settings
+        if s.store == "flexkv":  # FlexKV's own store process (kvlifecycle/store/flexkv.py)
+            return [sys.executable, "-m", "kvlifecycle.store.flexkv", "--endpoint", s.store_socket,
+                    "--dram-bytes", str(self.config.store_dram_bytes)]
         cmd = [sys.executable, "-m", "kvlifecycle.store", "--endpoint", s.store_socket]
         if s.store == "mooncake":
             return cmd + ["--backing", "mooncake", "--mooncake-master", s.store_endpoint,
@@ -432,8 +429,9 @@ beyond loopback (--host neither localhost nor a loopback address such as 127.0.0
   metrics port stays on 127.0.0.1: scrape it on the host or forward it. nginx's config and
   logs are in RUN_DIR/nginx/. Ctrl-C stops nginx, then tritonserver, then the store.
 
-{textwrap.fill("--store flexkv is UNVERIFIED (experimental): " + UNVERIFIED_STORES["flexkv"] + ". Choosing it "
-                "logs a warning.", 92)}
+--store flexkv: FlexKV (not on PyPI) as the host tier, on --device cuda only. Build it once with
+deploy/build_flexkv.sh SRC (a FlexKV clone or tarball), then `. .flexkv/env.sh` in the shell that
+runs hstu-serve: the store process and the models import it from there.
 """
 
 

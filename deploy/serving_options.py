@@ -25,11 +25,13 @@ from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEVICES, REPO_ROOT, STORE
 HELP: dict[str, str] = {
     "device": "where hstu_compute runs",
     "store": ("host KV tier: embedded (our store process, started here), mooncake (our store process in "
-              "front of a running Mooncake master), none (the device cache alone), flexkv (UNVERIFIED, experimental: never run; see below)"),
+              "front of a running Mooncake master), flexkv (FlexKV in its own store process, started here; "
+              "CUDA only, see below), none (the device cache alone)"),
     "pool_pages": "device page pool size, in pages (per server)",
     "lease_ttl_s": "seconds before a lease not committed returns its pages",
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
-    "mooncake_segment_bytes": "--store mooncake: host memory the store process gives the tier (0: memory nodes hold it)",
+    "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
+                               "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",
 }
 CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "store": STORE_KINDS}

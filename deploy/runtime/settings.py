@@ -74,8 +74,11 @@ class ServingSettings:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
         if self.lease_ttl_s <= 0 or self.store_timeout_s <= 0:
             raise ValueError("HSTU_LEASE_TTL_S and HSTU_STORE_TIMEOUT_S must be > 0")
-        if self.store == "embedded" and not self.store_endpoint:
+        if self.store in ("embedded", "flexkv") and not self.store_endpoint:
             self.store_endpoint = f"ipc://{self.run_dir / 'store.sock'}"
+        if self.store == "flexkv" and self.device != "cuda":
+            raise ValueError(f"HSTU_STORE=flexkv with HSTU_DEVICE={self.device}: FlexKV copies between the GPU "
+                             "page pool and host memory; serve with --device cuda, or use --store embedded")
         if self.store == "mooncake" and not _is_host_port(self.store_endpoint):
             raise ValueError(f"HSTU_STORE_ENDPOINT={self.store_endpoint!r}: the mooncake store needs its "
                              "master's address HOST:PORT (hstu-serve --mooncake-master)")

@@ -66,6 +66,9 @@ READY_TIMEOUT_S = 120.0  # FlexKV spawns its transfer process and opens the pool
 
 def flexkv_unavailable_reason() -> str | None:
     """None when ``import flexkv`` works, else why not and how to fix it."""
+    # FlexKV reads its settings from the environment once, at import. Unless told otherwise it
+    # starts an MPS daemon, which changes how every process shares the GPU: never ours to start.
+    os.environ.setdefault("FLEXKV_ENABLE_MPS", "0")
     try:
         import flexkv.kvmanager  # noqa: F401
     except ImportError as e:
@@ -162,7 +165,6 @@ class FlexKVStoreServer:
             raise RuntimeError(reason)
         if dram_bytes <= 0:
             raise ValueError(f"dram_bytes: expected > 0 (FlexKV's CPU tier per pool), got {dram_bytes}")
-        os.environ.setdefault("FLEXKV_ENABLE_MPS", "0")  # never start an MPS daemon on a shared GPU
         self.endpoint = endpoint
         self.dram_bytes = dram_bytes
         self._pools: dict[str, _FlexKVPool] = {}
@@ -247,16 +249,42 @@ class FlexKVStoreServer:
         if time.monotonic() > float(header["accept_by"]):
             return {"rpc": RpcStatus.BUSY.value, "error": "request arrived after the client's accept deadline"}
         tokens, seq_pages, pool_pages = arrays["tokens"], arrays["seq_pages"], arrays["pool_pages"]
-        mask, slots = _token_mask_and_slots(tokens.size, seq_pages, pool_pages, page_size, pool.spec.num_pages)
-        submit = pool.manager.put_async if op is Op.PUT else pool.manager.get_async
-        flexkv_id = submit(tokens, slots, mask, namespace=namespace)
-        task = _Task(op, int(flexkv_id), int(mask.sum()))
         key = (client, int(header["task"]))
         if key in self._tasks:
             raise ValueError(f"task {key[1]}: already submitted by this client")
+        mask, slots = _token_mask_and_slots(tokens.size, seq_pages, pool_pages, page_size, pool.spec.num_pages)
+        if op is Op.GET:
+            task = _Task(op, int(pool.manager.get_async(tokens, slots, mask, namespace=namespace)), int(mask.sum()))
+        else:
+            task = self._put(pool, tokens, seq_pages, pool_pages, namespace)
         self._tasks[key] = (pool_name, task)
         self._counters[f"{op.value}_pages"] += int(seq_pages.size)
         return {}
+
+    def _put(self, pool: _FlexKVPool, tokens: np.ndarray, seq_pages: np.ndarray, pool_pages: np.ndarray,
+             namespace: list[str]) -> _Task:
+        """FlexKV puts a prefix of a sequence: it is handed the slots of every page from the first,
+        and skips the pages it already holds. kv_offload puts a request's new pages only (its
+        cached prefix was put before), so the prefix pages get a stand-in slot, which FlexKV never
+        reads as long as it holds that prefix. It is checked first (nothing else touches FlexKV's
+        tree between the check and the put: both run on this thread); a put whose prefix FlexKV
+        no longer holds could never be matched anyway, and fails without copying."""
+        page_size = pool.spec.page_size
+        first, last = int(seq_pages.min()), int(seq_pages.max())
+        if first > 0:
+            task_id, held = pool.manager.get_match(tokens[: first * page_size], namespace=namespace)
+            pool.manager.cancel([task_id])
+            held_pages = int(np.asarray(held, dtype=bool).sum()) // page_size
+            if held_pages < first or seq_pages.size != last - first + 1:
+                self._counters["put_prefix_missing"] += 1
+                return _Task(Op.PUT, -1, 0)  # polls as FAILED: the pages stay on the device only
+        order = np.argsort(seq_pages, kind="stable")
+        pages = np.full(last + 1, pool_pages[order][0], dtype=np.int64)  # stand-ins for the held prefix
+        pages[first:] = pool_pages[order]
+        mask = np.zeros(tokens.size, dtype=bool)
+        mask[: (last + 1) * page_size] = True
+        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)  # [pages * S]
+        return _Task(Op.PUT, int(pool.manager.put_async(tokens, slots, mask, namespace=namespace)), 0)
 
     def _register(self, handle: Any) -> str:
         if not isinstance(handle, dict) or "spec" not in handle:
@@ -304,8 +332,11 @@ class FlexKVStoreServer:
         if entry is None:
             return Status.FAILED  # unknown: lost (e.g. the store restarted)
         pool_name, task = entry
-        response = self._pools[pool_name].manager.try_wait([task.flexkv_id]).get(task.flexkv_id)
-        status = _status_of(response, task)
+        if task.flexkv_id < 0:
+            status = Status.FAILED  # refused at submission
+        else:
+            response = self._pools[pool_name].manager.try_wait([task.flexkv_id]).get(task.flexkv_id)
+            status = _status_of(response, task)
         if status.done:
             del self._tasks[(client, task_id)]
             self._counters[f"task_{status.value.lower()}"] += 1
@@ -314,7 +345,7 @@ class FlexKVStoreServer:
     def _cancel(self, client: str, task_ids: list[int]) -> None:
         for task_id in task_ids:
             entry = self._tasks.get((client, task_id))
-            if entry is not None:
+            if entry is not None and entry[1].flexkv_id >= 0:
                 self._pools[entry[0]].manager.cancel([entry[1].flexkv_id])
 
 

@@ -1,6 +1,6 @@
-"""What `hstu-serve --help` promises: the nginx front beyond loopback, `--store flexkv` labeled
-unverified (choosing it warns), and the serving settings' options shared with hstu-cluster. No
-server is started."""
+"""What `hstu-serve --help` promises: the nginx front beyond loopback, how to build FlexKV for
+`--store flexkv` (CUDA only, else a usage error), and the serving settings' options shared with
+hstu-cluster. No server is started."""
 from __future__ import annotations
 
 import subprocess
@@ -17,18 +17,26 @@ from tests.conftest import REPO_ROOT
 HSTU_SERVE = str(Path(sys.executable).parent / "hstu-serve")
 
 
-def test_help_lists_every_store_and_labels_flexkv_unverified() -> None:
+def test_help_lists_every_store_and_how_to_build_flexkv() -> None:
     out = subprocess.run([HSTU_SERVE, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     assert "--store {" + ",".join(STORE_KINDS) + "}" in out
-    assert "flexkv (UNVERIFIED, experimental" in out and "--store flexkv is UNVERIFIED" in out
+    assert "deploy/build_flexkv.sh" in out and ". .flexkv/env.sh" in out
     assert "beyond loopback" in out and "nginx" in out and "413" in out
 
 
-def test_choosing_flexkv_logs_a_warning(tmp_path: Path) -> None:
-    done = subprocess.run([HSTU_SERVE, "--store", "flexkv", "--print-env", "--run-dir", str(tmp_path / "run")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert "WARNING --store flexkv is UNVERIFIED (experimental)" in done.stderr, done.stderr
+def test_flexkv_on_the_cpu_is_a_usage_error_naming_the_fix(tmp_path: Path) -> None:
+    done = subprocess.run([HSTU_SERVE, "--store", "flexkv", "--device", "cpu", "--print-env",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "HSTU_STORE=flexkv with HSTU_DEVICE=cpu" in done.stderr and "--device cuda" in done.stderr
+
+
+def test_flexkv_recipe_starts_the_flexkv_store_process(tmp_path: Path) -> None:
+    done = subprocess.run([HSTU_SERVE, "--store", "flexkv", "--device", "cuda", "--print-env",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True)
     assert "export HSTU_STORE=flexkv" in done.stdout
+    assert "-m kvlifecycle.store.flexkv --endpoint ipc://" in done.stdout, done.stdout
 
 
 def test_serve_and_cluster_options_are_the_serving_settings(tmp_path: Path) -> None:
