@@ -1,12 +1,14 @@
-"""Micro-benchmark of the embedded host store (not a test): offload (put_async + wait) and
-onboard (get_async + wait) bandwidth for 1, 8 and 64 pages per call, next to a plain torch
-copy of the same bytes between the pool and host memory, and their ratio.
+"""Micro-benchmark of the host stores (not a test): offload (put_async + wait) and onboard
+(get_async + wait) bandwidth for 1, 8, 64 and 512 pages per call, next to a plain torch copy of
+the same bytes between the pool and host memory, and their ratio; each store in `--stores`, one
+after the other, in one run.
 
-    .venv/bin/python deploy/bench_store.py [--device cpu|cuda] [--layers 8 --heads 4 --head-dim 64
-        --page-size 32 --dtype float32] [--repeats 20]
+    .venv/bin/python deploy/bench_store.py [--device cpu|cuda] [--stores embedded flexkv]
+        [--layers 8 --heads 4 --head-dim 64 --page-size 32 --dtype float32] [--repeats 20]
 
-Writes deploy/reports/store-<date>-<device>.json. On a GPU host the store's DRAM tier is pinned
-and its copies run on their own CUDA stream; the baseline is then a pinned device<->host copy.
+Writes deploy/reports/store-<date>-<device>.json. On a GPU host the embedded store's DRAM tier
+is pinned and its copies run on their own CUDA stream; the baseline is then a pinned
+device<->host copy. `flexkv` needs a CUDA pool and a FlexKV build (deploy/build_flexkv.sh).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import torch
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.rpc import default_endpoint
-from kvlifecycle.store.embedded import start_store_process
+from kvlifecycle.store.embedded import STORE_PROGRAM, StoreProcess, start_store_process
 
 logger = logging.getLogger(__name__)
 
 REPORTS = Path(__file__).resolve().parent / "reports"
-PAGES_PER_CALL = (1, 8, 64)
+PAGES_PER_CALL = (1, 8, 64, 512)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--stores", nargs="+", choices=("embedded", "flexkv"), default=["embedded"])
+    p.add_argument("--report-dir", type=Path, default=REPORTS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -51,19 +55,20 @@ def main(argv: list[str] | None = None) -> int:
                     num_heads=a.heads, head_dim=a.head_dim, dtype=a.dtype, device=a.device)
     pool = PagePool.create(spec)
     pool.tensor.copy_(torch.randn(spec.shape).to(spec.torch_dtype))
-    endpoint = default_endpoint("store.sock")
     # DRAM tier big enough that offloads of distinct sequences never evict during a run.
     dram_bytes = spec.page_bytes * max(PAGES_PER_CALL) * (calls + 2)
-    proc = start_store_process(endpoint, dram_bytes=dram_bytes)
     rows: list[dict[str, Any]] = []
     try:
-        with open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0,
-                        pool_handle=pool.handle()) as store:
-            for n in PAGES_PER_CALL:
-                rows.append(_measure(store, pool, spec, n, calls))
-                print(_format(rows[-1]))
+        for kind in a.stores:
+            proc, store = _open(kind, pool, dram_bytes)
+            try:
+                for n in PAGES_PER_CALL:
+                    rows.append({"store": kind, **_measure(store, pool, spec, n, calls)})
+                    print(_format(rows[-1]))
+            finally:
+                store.close()
+                proc.stop()
     finally:
-        proc.stop()
         pool.close()
 
     report = {
@@ -76,11 +81,25 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_size": calls,
         "results": rows,
     }
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    out = REPORTS / f"store-{dt.date.today().isoformat()}-{a.device}.json"
+    a.report_dir.mkdir(parents=True, exist_ok=True)
+    out = a.report_dir / f"store-{dt.date.today().isoformat()}-{a.device}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _open(kind: str, pool: PagePool, dram_bytes: int) -> tuple[StoreProcess, Any]:
+    """The store process of `kind` and a client that owns `pool` (registered)."""
+    endpoint = default_endpoint("store.sock")
+    program = ("-m", "kvlifecycle.store.flexkv") if kind == "flexkv" else STORE_PROGRAM
+    proc = start_store_process(endpoint, dram_bytes=dram_bytes, program=program, ready_timeout_s=60)
+    extra = {"owned_pool": pool} if kind == "flexkv" else {}
+    store = open_store(kind, endpoint=endpoint, page_size=pool.spec.page_size, rpc_timeout_s=5.0, **extra)
+    if not store.register_pool(pool.handle()):
+        proc.kill()
+        raise RuntimeError(f"{kind} store did not take the pool; log {proc.log_path}:\n"
+                           f"{proc.log_path.read_text()[-3000:]}")
+    return proc, store
 
 
 def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> dict[str, Any]:
@@ -144,7 +163,7 @@ def _plain_copies(pool: PagePool, n: int, calls: int) -> tuple[float, float]:
 
 
 def _format(row: dict[str, Any]) -> str:
-    return (f"{row['pages_per_call']:>3} pages ({row['bytes_per_call'] / 2**20:7.2f} MiB): "
+    return (f"{row['store']:>8} {row['pages_per_call']:>3} pages ({row['bytes_per_call'] / 2**20:7.2f} MiB): "
             f"offload {row['offload_gbps']:6.2f} GB/s vs torch {row['torch_pool_to_host_gbps']:6.2f} "
             f"(x{row['offload_ratio']:.2f}) | onboard {row['onboard_gbps']:6.2f} GB/s vs torch "
             f"{row['torch_host_to_pool_gbps']:6.2f} (x{row['onboard_ratio']:.2f})")

@@ -30,7 +30,7 @@ def cache_metrics(metrics_url: str) -> list[Sample]:
     return [sample for name in metrics.names("hstu_kv_") for sample in metrics.samples(name)]
 
 
-DEMO_OPTIONS = ("device", "pool_pages")  # the ServingSettings fields the demo takes as options
+DEMO_OPTIONS = ("device", "pool_pages", "store")  # the ServingSettings fields the demo takes as options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8],
                    help="one or more concurrency levels; every score is checked at each")
     add_serving_options(p, DEMO_OPTIONS)
+    p.set_defaults(store="embedded")  # the main job shows the host tier
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max abs diff vs the fp32 reference (state a larger one for bf16/fp16 configs)")
     p.add_argument("--json-out", type=Path, help="also write the results as JSON")
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     try:
-        serving = serving_settings(a, DEMO_OPTIONS, run_dir=new_run_dir(), store="embedded")
+        serving = serving_settings(a, DEMO_OPTIONS, run_dir=new_run_dir())
     except ValueError as e:
         p.error(str(e))
     config = LaunchConfig(serving=serving, http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port)

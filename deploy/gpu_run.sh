@@ -8,18 +8,23 @@
 #   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..64, every score
 #            checked at every concurrency, clean-stop time), then hstu-bench's cache phase
 #            (device hit / host hit / miss at 256..4,096 tokens, both models)
+#   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
+#            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases,
+#            the store benchmark (embedded and flexkv side by side: GB/s vs a pinned copy), then,
+#            on the first config, the demo with --store flexkv at c=1 and 8 (every score checked)
+#            and hstu-bench's cache phase with each store (host hit at up to 4,096 tokens)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [compute] [serve] [--configs "small large"] [--tolerance 5e-2]
+#   deploy/gpu_run.sh [pytest] [compute] [serve] [flexkv] [--configs "small large"] [--tolerance 5e-2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL=5e-2
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|compute|serve) STAGES+=("$1") ;;
+    pytest|compute|serve|flexkv) STAGES+=("$1") ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL="$2"; shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -45,6 +50,26 @@ for stage in "${STAGES[@]}"; do
     for name in $CONFIGS; do
       python3 -m deploy.bench_compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+    done
+  fi
+  if [ "$stage" = flexkv ]; then
+    bash deploy/build_flexkv.sh "${FLEXKV_SRC:?flexkv stage: set FLEXKV_SRC to a FlexKV source tree or .tar.gz}" \
+      --prefix .flexkv ${FLEXKV_BUILD_ARGS:-} 2>&1 | tee "$OUT/gpu-flexkv-build.log" || status=1
+    . .flexkv/env.sh
+    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py 2>&1 \
+      | grep -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
+    python3 deploy/bench_store.py --device cuda --stores embedded flexkv --layers 3 --heads 4 --head-dim 128 \
+      --dtype bfloat16 --report-dir "$OUT" 2>&1 | grep -v " INFO " | tee "$OUT/gpu-store-bench.log" || status=1
+    python3 -m deploy.make_configs --device cuda
+    name="${CONFIGS%% *}"
+    config="deploy/configs/gpu_${name}_bf16.json"
+    python3 -m deploy.demo --device cuda --store flexkv --model-config "$config" --tolerance "$TOL" \
+      --pool-pages "$POOL_PAGES" --users 40 --requests 200 --median-events 600 --concurrency 1 8 \
+      --json-out "$OUT/gpu-demo-flexkv-$name.json" 2>&1 | tee "$OUT/gpu-demo-flexkv-$name.log" | grep -v " INFO " || status=1
+    for store in flexkv embedded; do
+      python3 -m deploy.bench --device cuda --store "$store" --model-config "$config" --pool-pages "$POOL_PAGES" \
+        --phases cache --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 \
+        | grep -v " INFO " | tee "$OUT/gpu-bench-cache-$store.log" || status=1
     done
   fi
   if [ "$stage" = serve ]; then

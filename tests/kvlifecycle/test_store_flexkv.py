@@ -5,11 +5,7 @@ is not importable or there is no CUDA device (deploy/gpu_run.sh flexkv runs it o
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -17,7 +13,9 @@ import pytest
 import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
+from kvlifecycle.rpc import default_endpoint
 from kvlifecycle.store import Status, open_store
+from kvlifecycle.store.embedded import start_store_process
 from kvlifecycle.store.flexkv import flexkv_unavailable_reason
 
 REASON = flexkv_unavailable_reason() or (None if torch.cuda.is_available() else "no CUDA device")
@@ -29,18 +27,11 @@ SPEC = PoolSpec(num_layers=3, num_pages=256, page_size=32, num_heads=4, head_dim
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    run_dir = Path(tempfile.mkdtemp(prefix="flexkv-test-"))
-    endpoint = f"ipc://{run_dir}/store.sock"
-    log = open(run_dir / "store.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvlifecycle.store.flexkv", "--endpoint", endpoint,
-                             "--dram-bytes", str(SPEC.page_bytes * 1024)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not (run_dir / "store.sock").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, (run_dir / "store.log").read_text()[-3000:]
-        time.sleep(0.05)
+    endpoint = default_endpoint("store.sock")
+    proc = start_store_process(endpoint, dram_bytes=SPEC.page_bytes * 1024, program=("-m", "kvlifecycle.store.flexkv"),
+                               ready_timeout_s=60)
     yield endpoint
-    proc.terminate()
-    assert proc.wait(60) == 0, (run_dir / "store.log").read_text()[-3000:]
+    assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
