@@ -168,21 +168,20 @@ def answer(frames: Sequence[bytes], handle: Handler) -> tuple[list[bytes], RpcSt
     """The reply frames (peer identity first) to one request ``[identity, b"", header, arrays...]``
     received on a ROUTER socket, and the reply's status. See the module docstring."""
     identity = bytes(frames[0]) if frames else b""
-    seq = None
+    header: dict[str, Any] = {}
     try:
         if len(frames) < 3 or frames[1] != b"":
             raise ValueError("message: expected [identity, b'', header, arrays...]")
         header, arrays = decode(frames[2:])
-        seq = header.get("seq")
         body = {**handle(header, arrays), "rpc": RpcStatus.OK.value}
     except RpcError as e:
         body = {"rpc": e.status.value, "error": e.message}
     except (ValueError, KeyError, TypeError) as e:
         body = {"rpc": RpcStatus.BAD_REQUEST.value, "error": f"{type(e).__name__}: {e}"}
     except Exception as e:
-        logger.error("rpc: request failed", exc_info=True)
+        logger.error("rpc: request %r failed", header.get("op"), exc_info=True)
         body = {"rpc": RpcStatus.ERROR.value, "error": f"{type(e).__name__}: {e}"}
-    body["seq"] = seq
+    body["seq"] = header.get("seq")
     return [identity, *encode(body)], RpcStatus(body["rpc"])
 
 
