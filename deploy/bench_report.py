@@ -133,7 +133,8 @@ def summarize(report: BenchReport) -> Summary:
                          (e.throughput.min, e.throughput.max), (m.throughput.min, m.throughput.max))
         pa = next((p for p in phases.perf_analyzer or [] if p.concurrency == point.concurrency), None)
         if pa and all(math.isfinite(pa.models[x].throughput) for x in MODELS):
-            row.pa_ensemble_rps, row.pa_monolithic_rps = pa.models[ENSEMBLE].throughput, pa.models[MONOLITHIC].throughput
+            row.pa_ensemble_rps = pa.models[ENSEMBLE].throughput
+            row.pa_monolithic_rps = pa.models[MONOLITHIC].throughput
         rows.append(row)
     goals = Goals()
     at8 = next((r for r in rows if r.concurrency == 8), None)

@@ -212,9 +212,10 @@ def _hop_summaries(runs: list[MeasuredRun]) -> dict[str, HopSummary]:
         for hop in hops:
             for size, b in hop.batches.items():
                 pooled.setdefault(size, []).append(b)
-        batches = {size: BatchSizeStats(sum(b.executions for b in bs),
-                                        sum(b.executions * b.ms_per_execution for b in bs) / sum(b.executions for b in bs))
-                   for size, bs in sorted(pooled.items())}
+        batches = {}
+        for size, bs in sorted(pooled.items()):
+            executions = sum(b.executions for b in bs)
+            batches[size] = BatchSizeStats(executions, sum(b.executions * b.ms_per_execution for b in bs) / executions)
         out[name] = HopSummary(requests=sum(h.requests for h in hops), executions=sum(h.executions for h in hops),
                                ms_per_request={k: Spread.of([h.ms_per_request[k] for h in hops]).median
                                                for k in hops[0].ms_per_request},

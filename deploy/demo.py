@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--median-events", type=float, default=200.0, help="median initial history, in events")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8],
                    help="one or more concurrency levels; every score is checked at each")
-    add_serving_options(p, DEMO_OPTIONS)
-    p.set_defaults(store="embedded")  # the main job shows the host tier
+    add_serving_options(p, DEMO_OPTIONS, store="embedded")  # the main job shows the host tier
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max abs diff vs the fp32 reference (state a larger one for bf16/fp16 configs)")
     p.add_argument("--json-out", type=Path, help="also write the results as JSON")

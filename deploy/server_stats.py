@@ -124,7 +124,8 @@ def read_model_stats(http_url: str) -> dict[str, ModelStats]:
         stats = ModelStats(success=_duration(s["success"]), fail=_duration(s["fail"]),
                            inferences=int(m["inference_count"]), executions=int(m["execution_count"]),
                            stages={k: _duration(s[k]) for k in TRITON_STAGES},
-                           batches={int(b["batch_size"]): _duration(b["compute_infer"]) for b in m.get("batch_stats", [])})
+                           batches={int(b["batch_size"]): _duration(b["compute_infer"])
+                                    for b in m.get("batch_stats", [])})
         previous = out.get(m["name"])
         out[m["name"]] = stats if previous is None else _sum(previous, stats)
     return out
@@ -185,7 +186,8 @@ def _model_cache_stats(before: Metrics, after: Metrics, model: str, page_bytes: 
     if model == OFFLOAD:
         reaps = delta("hstu_kv_reap_latency_seconds_count")
         offloads = OffloadStats(
-            offloaded_pages=delta("hstu_kv_offloaded_pages_total"), offloaded_bytes=delta("hstu_kv_offloaded_bytes_total"),
+            offloaded_pages=delta("hstu_kv_offloaded_pages_total"),
+            offloaded_bytes=delta("hstu_kv_offloaded_bytes_total"),
             reap_latency_ms_mean=delta("hstu_kv_reap_latency_seconds_sum") / reaps * 1e3 if reaps else float("nan"),
             queue_depth_now=offload_queue_depth(after))
     stage_ms = {}
@@ -193,5 +195,6 @@ def _model_cache_stats(before: Metrics, after: Metrics, model: str, page_bytes: 
         count = delta("hstu_kv_stage_seconds_count", stage=stage)
         if count:
             stage_ms[stage] = delta("hstu_kv_stage_seconds_sum", stage=stage) / count * 1e3
-    store_errors = delta("hstu_kv_store_errors_total") if after.samples("hstu_kv_store_errors_total", model=model) else None
+    publishes_errors = bool(after.samples("hstu_kv_store_errors_total", model=model))
+    store_errors = delta("hstu_kv_store_errors_total") if publishes_errors else None
     return KVCacheStats(lookups, offloads, store_errors, stage_ms)
