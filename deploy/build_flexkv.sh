@@ -32,6 +32,8 @@ done
 [ -n "$SRC" ] || die "missing SRC: a FlexKV source tree (git clone --recursive) or a .tar.gz of one"
 [ -e "$SRC" ] || die "SRC $SRC does not exist"
 PYTHON="${PYTHON:-python3}"
+mkdir -p "$PREFIX" && PREFIX="$(cd "$PREFIX" && pwd)"  # absolute: the build runs in $PREFIX/src
+SRC="$(cd "$(dirname "$SRC")" && pwd)/$(basename "$SRC")"
 
 # ---- what the build needs, each checked with the fix named ----------------------------------
 command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] \

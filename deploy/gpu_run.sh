@@ -71,6 +71,8 @@ for stage in "${STAGES[@]}"; do
         --phases cache --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 \
         | grep -v " INFO " | tee "$OUT/gpu-bench-cache-$store.log" || status=1
     done
+    # Every server's own logs (tritonserver's model table names a model's load error in full).
+    tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true
   fi
   if [ "$stage" = serve ]; then
     python3 -m deploy.make_configs --device cuda

@@ -54,7 +54,7 @@ import zmq
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store.api import Status
 from kvlifecycle.store.embedded import EmbeddedStoreClient
-from kvlifecycle.rpc import RpcStatus, decode, encode, prepare_ipc_dir
+from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
 from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,12 @@ class FlexKVStoreClient(EmbeddedStoreClient):
         pool = pool_id(handle)
         if self._owned_pool is None or pool in self._registered_memory:
             return True
-        self._register_memory(pool)
+        try:
+            self._register_memory(pool)
+        except Exception as e:  # a misbuilt FlexKV: say so where the owner fails to load
+            raise RuntimeError(f"flexkv: handing pool {pool}'s memory to FlexKV's transfer engine failed in this "
+                               f"process ({type(e).__name__}: {e}); FlexKV must import here too (. .flexkv/env.sh "
+                               f"before hstu-serve)") from e
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             reply = self._rpc({"op": Op.PING.value, "pool": pool})
@@ -182,8 +187,8 @@ class FlexKVStoreServer:
         try:
             while not self._stop.is_set():
                 if sock.poll(100, zmq.POLLIN):
-                    frames = sock.recv_multipart()
-                    sock.send_multipart([frames[0], *encode(self._handle(frames))])
+                    reply, _status = answer(sock.recv_multipart(), self._dispatch)
+                    sock.send_multipart(reply)
         finally:
             sock.close(0)
             ctx.term()
@@ -197,23 +202,8 @@ class FlexKVStoreServer:
 
     # ---- RPC handling (socket thread) ------------------------------------------------------
 
-    def _handle(self, frames: list[bytes]) -> dict[str, Any]:
-        try:
-            header, arrays = decode(frames[2:])
-        except ValueError as e:
-            return {"seq": None, "rpc": RpcStatus.BAD_REQUEST.value, "error": str(e)}
-        try:
-            body = self._dispatch(Op(header.get("op")), header, arrays)
-        except (ValueError, KeyError, TypeError) as e:
-            body = {"rpc": RpcStatus.BAD_REQUEST.value, "error": f"{type(e).__name__}: {e}"}
-        except Exception as e:
-            logger.error("request %r failed", header.get("op"), exc_info=True)
-            body = {"rpc": RpcStatus.ERROR.value, "error": f"{type(e).__name__}: {e}"}
-        body.setdefault("rpc", RpcStatus.OK.value)
-        body["seq"] = header.get("seq")
-        return body
-
-    def _dispatch(self, op: Op, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _dispatch(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        op = Op(header.get("op"))
         self._counters[f"rpc_{op.value}"] += 1
         client = str(header.get("client", ""))
         if op is Op.PING:
@@ -232,7 +222,7 @@ class FlexKVStoreServer:
         pool_name = header.get("pool")
         pool = self._pools.get(pool_name) if isinstance(pool_name, str) else None
         if pool is None:
-            return {"rpc": RpcStatus.NO_POOL.value, "error": f"pool {pool_name} is not registered; call register_pool"}
+            raise RpcError(RpcStatus.NO_POOL, f"pool {pool_name} is not registered; call register_pool")
         page_size = int(header["page_size"])
         if page_size != pool.spec.page_size:
             raise ValueError(f"page_size: pool {pool_name} has {pool.spec.page_size}, got {page_size}")
@@ -245,9 +235,9 @@ class FlexKVStoreServer:
             return {"pages": int(np.asarray(mask, dtype=bool).sum()) // page_size}
         assert op in (Op.PUT, Op.GET), f"_dispatch: unhandled op {op}"
         if not pool.ready.is_set():
-            return {"rpc": RpcStatus.BUSY.value, "error": f"pool {pool_name}: FlexKV is still starting"}
+            raise RpcError(RpcStatus.BUSY, f"pool {pool_name}: FlexKV is still starting")
         if time.monotonic() > float(header["accept_by"]):
-            return {"rpc": RpcStatus.BUSY.value, "error": "request arrived after the client's accept deadline"}
+            raise RpcError(RpcStatus.BUSY, "request arrived after the client's accept deadline")
         tokens, seq_pages, pool_pages = arrays["tokens"], arrays["seq_pages"], arrays["pool_pages"]
         key = (client, int(header["task"]))
         if key in self._tasks:
