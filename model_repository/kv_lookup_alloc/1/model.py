@@ -56,6 +56,9 @@ class TritonPythonModel:
                 parsed[i] = (r, history_tokens(r.item_ids, r.action_ids, self.config))
             except BadRequest as e:
                 responses[i] = error_response(str(e))
+            except Exception as e:  # a bug must fail this request only, not the batch
+                logger.error("kv_lookup_alloc failed to read a request", exc_info=True)
+                responses[i] = error_response(f"kv_lookup_alloc: internal error: {e}")
         members = list(parsed)
         try:
             served = self._serve([parsed[i] for i in members])
