@@ -40,12 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from deploy.front import (MAX_BODY_SIZE, MAX_HEADER_SIZE, MAX_JSON_DEPTH, connect_host, human_size, is_loopback,
                           nginx_command, render_nginx_conf, write_nginx_conf)
-from kvlifecycle.store.flexkv import flexkv_unavailable_reason
 from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY, REPO_ROOT, ServingSettings
 from deploy.serving_options import add_serving_options, serving_settings
 from deploy.triton_env import find_triton, install_stub, triton_env
+from kvlifecycle.store.flexkv import flexkv_unavailable_reason
 
 logger = logging.getLogger("hstu-serve")
 
@@ -168,7 +170,8 @@ class Server:
                 _terminate(self.front, "nginx", 10)
                 self.front = None
             if self.triton is not None:
-                _terminate(self.triton, "tritonserver", self.config.exit_timeout_s + 10)
+                _terminate(self.triton, "tritonserver", self.config.exit_timeout_s + 10,
+                           finished=lambda: _models_unloaded(self.triton))
                 self.triton = None
             self.stop_store()
 
@@ -373,18 +376,50 @@ def _die_with_parent() -> None:
         pass
 
 
-def _terminate(proc: subprocess.Popen, name: str, timeout_s: float) -> None:
-    """SIGTERM the child's process group, wait, then SIGKILL whatever is left of the group."""
+def _terminate(proc: subprocess.Popen, name: str, timeout_s: float,
+               finished: Callable[[], bool] | None = None) -> None:
+    """SIGTERM the child's process group, wait (until `finished()` has held for a grace period, if
+    given), then SIGKILL whatever is left of the group."""
     if proc.poll() is None:
         logger.info("stopping %s (pid %d)", name, proc.pid)
         _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout_s
+        finished_since = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if finished is not None and finished():
+                finished_since = finished_since or time.monotonic()
+                if time.monotonic() - finished_since > _FINISHED_GRACE_S:
+                    logger.info("%s: its work is done; ending its exit wait", name)
+                    break
+            else:
+                finished_since = None
+            time.sleep(0.1)
+        if proc.poll() is None and finished_since is None:
             logger.warning("%s did not stop within %.0fs; killing it", name, timeout_s)
     # Stubs and helpers share the child's process group; none may outlive it.
     _signal_group(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+_FINISHED_GRACE_S = 2.0  # a server whose work is done gets this long to exit by itself
+
+
+def _models_unloaded(triton: subprocess.Popen) -> bool:
+    """True once tritonserver has no model stub left: every Python model has finalized (kv_offload
+    has flushed its offloads). tritonserver may still wait out --exit-timeout-secs for a client's
+    idle gRPC stream, which keeps the ensemble (it holds nothing) live; that wait protects nothing."""
+    try:
+        children = psutil.Process(triton.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return True
+    return not any(_is_stub(child) for child in children)
+
+
+def _is_stub(process: psutil.Process) -> bool:
+    try:
+        return process.name().startswith("triton_python_b")  # the stub's name, cut to 15 characters
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:

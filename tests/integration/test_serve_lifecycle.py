@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from deploy.client import RankingClient
+from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT, free_ports
 from tests.helpers import wait_for
 
@@ -38,9 +40,20 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
         assert "tritonserver" in names and "triton_python_backend_stub" in names, names
         assert any("kvlifecycle.store" in " ".join(p.cmdline()) for p in tree), "no host store process"
 
+        # Arrange: a client keeps its gRPC stream open, idle, after one answer. Such a stream keeps
+        # the ensemble live in tritonserver until its 60 s exit timeout, which once held every stop.
+        request = generate(TraceConfig(num_users=1, num_requests=1, initial_events_median=20))[0]
+        client = RankingClient(endpoints["grpc"])
+        assert client.score(request).shape[0] == len(request.candidate_ids)
+
         # Act: Ctrl-C.
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=120) == 0
+        client.close()
+        out = launcher.stdout.read()
+        assert "did not stop within" not in out, out[-3000:]  # the stop waited for no timeout
+        triton_log = (tmp_path / "run" / "tritonserver.log").read_text()
+        assert "successfully unloaded 'kv_offload'" in triton_log  # its finalize (the offload flush) ran
 
         # Check: every process of the tree is gone.
         def alive() -> list[psutil.Process]:
