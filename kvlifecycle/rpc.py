@@ -177,6 +177,8 @@ def answer(frames: Sequence[bytes], handle: Handler) -> tuple[list[bytes], RpcSt
     except RpcError as e:
         body = {"rpc": e.status.value, "error": e.message}
     except (ValueError, KeyError, TypeError) as e:
+        # A malformed request, or a handler's bug of the same type: the traceback tells them apart.
+        logger.warning("rpc: request %r refused as bad: %s", header.get("op"), e, exc_info=True)
         body = {"rpc": RpcStatus.BAD_REQUEST.value, "error": f"{type(e).__name__}: {e}"}
     except Exception as e:
         logger.error("rpc: request %r failed", header.get("op"), exc_info=True)

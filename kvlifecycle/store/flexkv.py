@@ -23,7 +23,8 @@ GPU registration):
 3. ``match`` -> ``KVManager.get_match`` (the prepared FlexKV task is cancelled: our client
    launches gets itself); ``put``/``get`` -> ``put_async``/``get_async`` with a token mask over
    the task's pages and a slot mapping ``pool_page * S + offset`` (the namespace is FlexKV's
-   namespace); ``poll`` -> ``try_wait``; ``cancel`` -> ``cancel``.
+   namespace); ``poll`` -> ``try_wait``; ``cancel`` cancels nothing (FlexKV has launched the task
+   at submission; its real outcome is reported). A task moves one run of consecutive pages.
 
 Statuses: FlexKV's ``KVResponseStatus`` maps by name onto ``Status``; a get that FlexKV
 finished with fewer tokens than asked (a page was evicted meanwhile) is NOTFOUND (the owner
@@ -44,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,50 +82,57 @@ def flexkv_unavailable_reason() -> str | None:
 def gpu_register_endpoint(store_endpoint: str, pool: str) -> str:
     """Where the FlexKV transfer engine of pool ``pool`` takes its GPU registration: beside
     the store's own socket (both ends compute it, so nothing more travels)."""
-    if not store_endpoint.startswith("ipc://"):
-        raise ValueError(f"flexkv store endpoint: expected ipc://PATH (FlexKV's engine is local), "
-                         f"got {store_endpoint!r}")
+    _require_ipc(store_endpoint)
     return f"ipc://{Path(store_endpoint.removeprefix('ipc://')).parent}/flexkv-{pool[:16]}-gpu"
 
 
 class FlexKVStoreClient(EmbeddedStoreClient):
     """The protocol client to a FlexKV store process. ``owned_pool``: the pool this process
-    allocated (the owner); its memory is registered with FlexKV's transfer engine by
-    ``register_pool``. Without it (kv_offload) the client only names the owner's pool."""
+    allocated (the owner); ``register_pool`` also hands its memory to the store's FlexKV transfer
+    engine, once per store process (a restarted store gets it again on its first ``NO_POOL``).
+    Without it (kv_offload) the client only names the owner's pool."""
 
     def __init__(self, endpoint: str, page_size: int, owned_pool: PagePool | None = None, **kwargs: Any) -> None:
-        gpu_register_endpoint(endpoint, "check")  # refuse a tcp:// endpoint at once, naming the fix
+        _require_ipc(endpoint)
         super().__init__(endpoint, page_size, **kwargs)
         self._owned_pool = owned_pool
-        self._registered_memory: set[str] = set()
+        self._registered_memory: set[tuple[str, str]] = set()  # (pool id, store process instance)
+        self._tp_clients: list[Any] = []  # FlexKV's KVTPClients: they keep the exported handles alive
 
     def register_pool(self, handle: dict[str, Any]) -> bool:
+        """As the embedded client's; the owner also registers the pool's memory. The first time
+        it waits until FlexKV is ready (at model load); after a store restart it does not wait
+        (this runs on a request's path): the store answers BUSY until ready, which fails open."""
         if not super().register_pool(handle):
             return False
-        pool = pool_id(handle)
-        if self._owned_pool is None or pool in self._registered_memory:
+        if self._owned_pool is None:
             return True
+        pool = pool_id(handle)
+        reply = self._rpc({"op": Op.PING.value, "pool": pool})
+        if reply is None:
+            return False
+        key = (pool, str(reply.get("instance")))
+        if key in self._registered_memory:
+            return True
+        first = not self._registered_memory
         try:
             self._register_memory(pool)
         except Exception as e:  # a misbuilt FlexKV: say so where the owner fails to load
             raise RuntimeError(f"flexkv: handing pool {pool}'s memory to FlexKV's transfer engine failed in this "
                                f"process ({type(e).__name__}: {e}); FlexKV must import here too (. .flexkv/env.sh "
                                f"before hstu-serve)") from e
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            reply = self._rpc({"op": Op.PING.value, "pool": pool})
-            if reply is not None and reply.get("ready"):
-                self._registered_memory.add(pool)
-                return True
-            if reply is not None and reply.get("failed"):
-                logger.error("flexkv store: pool %s failed to start: %s", pool, reply["failed"])
-                return False
-            time.sleep(0.1)
-        logger.error("flexkv store: pool %s not ready after %.0f s", pool, READY_TIMEOUT_S)
-        return False
+        self._registered_memory.add(key)
+        return self._wait_ready(pool) if first else True
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "backend": "flexkv"}
+
+    def close(self) -> None:
+        for tp_client in self._tp_clients:
+            tp_client.send_to_server.close(0)
+            tp_client.gpu_control_socket.close(0)
+        self._tp_clients.clear()
+        super().close()
 
     def _register_memory(self, pool: str) -> None:
         from flexkv.common.storage import KVCacheLayout, KVCacheLayoutType
@@ -135,10 +144,23 @@ class FlexKVStoreClient(EmbeddedStoreClient):
                                num_block=spec.num_pages, tokens_per_block=spec.page_size,
                                num_head=spec.num_heads, head_size=spec.head_dim, kv_dim=2,
                                num_kv_heads=spec.num_heads)
-        device_id = tensor.device.index or 0
-        client = KVTPClient(gpu_register_endpoint(self.endpoint, pool), dp_client_id=0, device_id=device_id)
-        client.register_to_server([tensor[layer] for layer in range(spec.num_layers)], layout)
-        self._tp_client = client  # keeps FlexKV's exported handles alive as long as this client
+        client = KVTPClient(gpu_register_endpoint(self.endpoint, pool), dp_client_id=0,
+                            device_id=tensor.device.index or 0)
+        client.register_to_server([tensor[layer] for layer in range(spec.num_layers)], layout)  # [P, 2, S, H, D] each
+        self._tp_clients.append(client)
+
+    def _wait_ready(self, pool: str) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            reply = self._rpc({"op": Op.PING.value, "pool": pool})
+            if reply is not None and reply.get("ready"):
+                return True
+            if reply is not None and reply.get("failed"):
+                logger.error("flexkv store: pool %s failed to start: %s", pool, reply["failed"])
+                return False
+            time.sleep(0.1)
+        logger.error("flexkv store: pool %s not ready after %.0f s", pool, READY_TIMEOUT_S)
+        return False
 
 
 @dataclass
@@ -176,6 +198,7 @@ class FlexKVStoreServer:
         self._tasks: dict[tuple[str, int], tuple[str, _Task]] = {}
         self._counters = collections.Counter[str]()
         self._stop = threading.Event()
+        self._instance = uuid.uuid4().hex  # lets an owner tell a restarted store process from this one
 
     def serve_forever(self) -> None:
         ctx = zmq.Context()
@@ -193,8 +216,7 @@ class FlexKVStoreServer:
             sock.close(0)
             ctx.term()
             for pool in self._pools.values():
-                if pool.manager is not None:
-                    pool.manager.shutdown()
+                _shutdown(pool)
             logger.info("flexkv store stopped")
 
     def stop(self) -> None:
@@ -208,7 +230,7 @@ class FlexKVStoreServer:
         client = str(header.get("client", ""))
         if op is Op.PING:
             pool = self._pools.get(header.get("pool", ""))
-            return {"pool": bool(self._pools), "ready": bool(pool and pool.ready.is_set()),
+            return {"instance": self._instance, "ready": bool(pool and pool.ready.is_set()),
                     "failed": pool.failed if pool else None}
         if op is Op.STATS:
             return {"stats": {"backend": "flexkv", "pools": len(self._pools), **self._counters}}
@@ -265,7 +287,7 @@ class FlexKVStoreServer:
             task_id, held = pool.manager.get_match(tokens[: first * page_size], namespace=namespace)
             pool.manager.cancel([task_id])
             held_pages = int(np.asarray(held, dtype=bool).sum()) // page_size
-            if held_pages < first or seq_pages.size != last - first + 1:
+            if held_pages < first:
                 self._counters["put_prefix_missing"] += 1
                 return _Task(Op.PUT, -1, 0)  # polls as FAILED: the pages stay on the device only
         order = np.argsort(seq_pages, kind="stable")
@@ -302,20 +324,22 @@ class FlexKVStoreServer:
             cache = CacheConfig(tokens_per_block=spec.page_size, enable_cpu=True, enable_ssd=False,
                                 num_cpu_blocks=max(1, self.dram_bytes // spec.page_bytes))
             port = gpu_register_endpoint(self.endpoint, name)
-            manager = KVManager(model, cache, server_recv_port=port.removesuffix("-gpu") + "-srv",
-                                gpu_register_port=port)
-            manager.start()
+            pool.manager = KVManager(model, cache, server_recv_port=port.removesuffix("-gpu") + "-srv",
+                                     gpu_register_port=port)  # held at once: stop() shuts down what started
+            pool.manager.start()
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while not manager.is_ready():  # until the owner's KVTPClient registered the pool
+            while not pool.manager.is_ready():  # until the owner's KVTPClient registered the pool
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no GPU registration on {port} within {READY_TIMEOUT_S:.0f} s")
+                if self._stop.is_set():
+                    return
                 time.sleep(0.05)
-            pool.manager = manager
             pool.ready.set()
             logger.info("flexkv store: pool %s ready (%s, %d CPU blocks)", name, spec, cache.num_cpu_blocks)
         except Exception as e:
             pool.failed = f"{type(e).__name__}: {e}"
             logger.error("flexkv store: pool %s failed to start", name, exc_info=True)
+            _shutdown(pool)
 
     def _poll(self, client: str, task_id: int) -> Status:
         entry = self._tasks.get((client, task_id))
@@ -333,10 +357,10 @@ class FlexKVStoreServer:
         return status
 
     def _cancel(self, client: str, task_ids: list[int]) -> None:
-        for task_id in task_ids:
-            entry = self._tasks.get((client, task_id))
-            if entry is not None and entry[1].flexkv_id >= 0:
-                self._pools[entry[0]].manager.cancel([entry[1].flexkv_id])
+        """FlexKV launches a task when it is submitted, and cannot promise to stop a running copy:
+        nothing is cancelled, and ``poll`` reports each task's real outcome (a CANCELLED task may
+        have its pages reused at once, which a copy still running would break)."""
+        self._counters["cancel_ignored"] += len(task_ids)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -351,12 +375,31 @@ def _token_mask_and_slots(num_tokens: int, seq_pages: np.ndarray, pool_pages: np
         raise ValueError(f"seq_pages: expected page indices in [0, {num_full})")
     if pool_pages.size and (pool_pages.min() < 0 or pool_pages.max() >= num_pool_pages):
         raise ValueError(f"pool_pages: expected pool page ids in [0, {num_pool_pages})")
+    first = int(seq_pages.min()) if seq_pages.size else 0
+    if seq_pages.size and not np.array_equal(np.sort(seq_pages), np.arange(first, first + seq_pages.size)):
+        # FlexKV takes a task's pages as the range from its first to its last selected token
+        raise ValueError("seq_pages: FlexKV moves one run of consecutive pages per task; expected distinct, "
+                         f"consecutive page indices, got {seq_pages.tolist()}")
     order = np.argsort(seq_pages, kind="stable")
     mask = np.zeros(num_tokens, dtype=bool)
-    for page in seq_pages:
-        mask[page * page_size:(page + 1) * page_size] = True
+    mask[first * page_size:(first + seq_pages.size) * page_size] = True
     slots = (pool_pages[order][:, None] * page_size + np.arange(page_size)).reshape(-1)  # [pages * S]
     return mask, slots.astype(np.int64)
+
+
+def _require_ipc(endpoint: str) -> None:
+    if not endpoint.startswith("ipc://"):
+        raise ValueError(f"flexkv store endpoint: expected ipc://PATH (FlexKV's engine is local), got {endpoint!r}")
+
+
+def _shutdown(pool: _FlexKVPool) -> None:
+    if pool.manager is None:
+        return
+    try:
+        pool.manager.shutdown()
+    except Exception:
+        logger.warning("flexkv store: shutting down a pool's KVManager failed", exc_info=True)
+    pool.manager = None
 
 
 def _status_of(response: Any, task: _Task) -> Status:
