@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the air-gapped H200 host, from a checkout that carries .bundle/
 # (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, then runs the
-# stages asked for (default: all), each writing its results to ${OUT:-deploy/reports}:
+# stages asked for (default: pytest compute serve), each writing its results to ${OUT:-deploy/reports}:
 #   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
 #            independent of the pool, only the new tokens' rows written)
 #   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
