@@ -268,7 +268,7 @@ def blocker(user_id: int, seed: int = 0) -> RankingRequest:
 
 def send_in_order(server: Server, groups: list[list[RankingRequest]], timeout_s: float = 180.0) -> list:
     """Send `groups` of requests, each request on its own stream; a group goes out once
-    kv_lookup_alloc (one instance, one request at a time) answered every request sent before it,
+    kv_lookup_alloc (one instance) answered every request sent before it,
     so hstu_compute's queue holds the groups in this order. Returns each request's scores or the
     exception it raised, flattened in order."""
     requests = [r for group in groups for r in group]

@@ -21,12 +21,14 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.client import RankingClient
+from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.runtime.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, LOOKUP, RankingRequest
 from deploy.triton_env import find_triton, triton_env
 from tests.conftest import free_ports
-from tests.reliability.conftest import check_scores, owner_stats, settled_kv_metrics
+from tests.helpers import ModelStats
+from tests.reliability.conftest import (check_scores, fire_together, history, owner_stats, settled_kv_metrics,
+                                       wait_drained)
 
 pytestmark = pytest.mark.integration
 
@@ -266,6 +268,43 @@ def test_valid_request_still_correct_after_the_fuzz(server: Server, reference) -
     request = RankingRequest(8, [3, 4, 5, 6], [0, 1, 2, 3], [9, 10, 11])
     with RankingClient(server.grpc_url) as client:
         check_scores(reference, request, client.score(request))
+
+
+BATCH_BAD = [  # (request, the field its error must name): each passes Triton's shape checks
+    (RankingRequest(9_001, [11, 0, 13], [1, 0, 2], [21]), "item_ids"),  # 0 is padding
+    (RankingRequest(9_002, [11, 12, 13], [1, 0], [21]), "action_ids"),  # one action short
+    (RankingRequest(9_003, [11, 12, 13], [1, 0, 2], [-21]), "candidate_ids"),
+]
+BATCH_GOOD = 5
+BATCH_ATTEMPTS = 5
+
+
+def test_bad_requests_in_a_kv_lookup_alloc_batch_fail_alone(server: Server, reference) -> None:
+    """kv_lookup_alloc serves a dynamic batch in one execute; the bad requests of a batch get their
+    own errors and the good ones their scores. A batch of more than max(bad, good) requests holds
+    both kinds; the requests are sent together until kv_lookup_alloc formed one."""
+    shared = 0
+    for attempt in range(BATCH_ATTEMPTS):
+        good = [history(9_100 + attempt * BATCH_GOOD + i, 40, candidates=4) for i in range(BATCH_GOOD)]
+        requests = good + [r for r, _ in BATCH_BAD]
+        before = ModelStats.read(server, LOOKUP)
+
+        outcomes = fire_together(server.grpc_url, requests)
+
+        for request, outcome in zip(good, outcomes):
+            assert isinstance(outcome, np.ndarray), f"user {request.user_id} failed: {outcome!r}"
+            check_scores(reference, request, outcome)
+        for (request, field), outcome in zip(BATCH_BAD, outcomes[BATCH_GOOD:]):
+            assert isinstance(outcome, RequestFailed) and field in str(outcome), (
+                f"user {request.user_id}: expected an error naming {field!r}, got {outcome!r}")
+        batches = (ModelStats.read(server, LOOKUP) - before).batches
+        shared = max(batches)
+        if shared > max(BATCH_GOOD, len(BATCH_BAD)):
+            break
+    assert shared > max(BATCH_GOOD, len(BATCH_BAD)), (
+        f"kv_lookup_alloc never batched good and bad requests together in {BATCH_ATTEMPTS} attempts "
+        f"(largest batch {shared})")
+    wait_drained(server)  # every lease of the batch committed, nothing leaked by the bad ones
 
 
 # ---- helpers -------------------------------------------------------------------------------------
