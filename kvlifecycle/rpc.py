@@ -84,6 +84,9 @@ class Timeouts:
     - ``task_start_s``: a store task not started this long after it was sent fails without
       touching the pool, so its pages can be reused after it.
     - ``control_s``: a control-plane call to the page table's owner (commit, abort, offload_done).
+
+    Not request-path waits, so not here: the lease TTL (``HSTU_LEASE_TTL_S``), kv_offload's flush
+    at unload, and the FlexKV store's start (``flexkv.READY_TIMEOUT_S``).
     """
 
     store_rpc_s: float = 0.5

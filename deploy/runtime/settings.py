@@ -72,8 +72,9 @@ class ServingSettings:
             raise ValueError(f"HSTU_STORE={self.store!r}: expected one of {STORE_KINDS}")
         if self.pool_pages < 2:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
-        if self.lease_ttl_s <= 0 or self.store_timeout_s <= 0:
-            raise ValueError("HSTU_LEASE_TTL_S and HSTU_STORE_TIMEOUT_S must be > 0")
+        for name in ("lease_ttl_s", "store_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"HSTU_{name.upper()}={getattr(self, name)}: expected > 0 seconds")
         if self.store in ("embedded", "flexkv") and not self.store_endpoint:
             self.store_endpoint = f"ipc://{self.run_dir / 'store.sock'}"
         if self.store == "flexkv" and self.device != "cuda":

@@ -84,8 +84,12 @@ class EmbeddedStoreClient(HostStoreClient):
             raise ValueError(f"endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
         if page_size <= 0 or page_size % 2:
             raise ValueError(f"page_size: expected a positive even token count, got {page_size}")
-        if rpc_timeout_s <= 0 or retry_interval_s < 0 or task_start_timeout_s <= 0:
-            raise ValueError("rpc_timeout_s and task_start_timeout_s must be > 0, retry_interval_s >= 0")
+        if rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s: expected > 0 seconds, got {rpc_timeout_s}")
+        if retry_interval_s < 0:
+            raise ValueError(f"retry_interval_s: expected >= 0 seconds, got {retry_interval_s}")
+        if task_start_timeout_s <= 0:
+            raise ValueError(f"task_start_timeout_s: expected > 0 seconds, got {task_start_timeout_s}")
         self.endpoint = endpoint
         self.page_size = page_size
         self.rpc_timeout_s = rpc_timeout_s
