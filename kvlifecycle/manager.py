@@ -55,6 +55,7 @@ import numpy as np
 from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
 from kvlifecycle.page_table import Allocation, Committed, OffloadItem, PageTable, PoolExhausted, ReserveAsk
 from kvlifecycle.pool import PoolSpec, slots_for_pages
+from kvlifecycle.store.api import Status
 
 if TYPE_CHECKING:
     from kvlifecycle.store.api import HostStoreClient
@@ -326,19 +327,18 @@ class KVCacheManager:
         prefix = int(misses[0]) if misses.size else int(mask.size)
         return prefix // self.page_size, False
 
-    def _wait(self, tasks: list[int], timeout_s: float) -> dict[int, str]:
-        """Each task's status name, from one store ``wait``; TIMEOUT for every task when the
-        wait itself failed (the copies may still run: their pages are quarantined)."""
+    def _wait(self, tasks: list[int], timeout_s: float) -> dict[int, Status]:
+        """Each task's status, from one store ``wait``; TIMEOUT for every task when the wait
+        itself failed (the copies may still run: their pages are quarantined)."""
         try:
             statuses = self.store.wait(tasks, timeout_s)
         except Exception:
             logger.warning("host store wait failed for tasks %s", tasks, exc_info=True)
             self.table.count("store_errors")
-            return {task: "TIMEOUT" for task in tasks}
-        return {task: str(getattr(statuses.get(task, "FAILED"), "value", statuses.get(task, "FAILED")))
-                for task in tasks}
+            return {task: Status.TIMEOUT for task in tasks}
+        return {task: Status(statuses.get(task, Status.FAILED)) for task in tasks}
 
-    def _settle_onboard(self, lease_id: int, task: int | None, status: str | None) -> Allocation:
+    def _settle_onboard(self, lease_id: int, task: int | None, status: Status | None) -> Allocation:
         """End a lease's onboard given its store task's final ``status`` (None: no task)."""
         lease = self.table.get_lease(lease_id)
         if lease is None:
@@ -347,9 +347,9 @@ class KVCacheManager:
             return self._finish(lease_id, 0, None)
         ok_pages, in_flight = 0, None
         if task is not None:
-            if status == "SUCCESS":
+            if status is Status.SUCCESS:
                 ok_pages = lease.num_onboard
-            elif status in ("TIMEOUT", "UNREADY"):
+            elif not status.done:  # TIMEOUT or UNREADY: the copy may still run
                 in_flight = task
                 self._cancel(task)
                 logger.warning("host store onboard of lease %d timed out; recomputing %d pages",
@@ -358,7 +358,7 @@ class KVCacheManager:
             else:
                 logger.warning("host store onboard of lease %d ended %s; recomputing %d pages",
                                lease_id, status, lease.num_onboard)
-                self.table.count("store_errors" if status == "FAILED" else "onboard_misses")
+                self.table.count("store_errors" if status is Status.FAILED else "onboard_misses")
         return self._finish(lease_id, ok_pages, in_flight)
 
     def _unlooked(self, user_id: int, tokens: np.ndarray) -> LookupResult:
@@ -389,8 +389,8 @@ class KVCacheManager:
             logger.warning("host store try_wait failed for quarantined tasks", exc_info=True)
             return
         for task in tasks:
-            status = str(getattr(statuses.get(task, "UNREADY"), "value", statuses.get(task)))
-            if status not in ("UNREADY", "TIMEOUT"):
+            status = Status(statuses.get(task, Status.UNREADY))
+            if status.done:
                 freed = self.table.release_quarantine(task)
                 logger.info("store task %s ended %s; %d quarantined pages freed", task, status, freed)
 
@@ -478,15 +478,14 @@ class Offloader:
         reaped = 0
         for task in tasks:
             status = statuses.get(task)
-            name = str(getattr(status, "value", status))
-            if status is None or name in ("UNREADY", "TIMEOUT"):
+            if status is None or not Status(status).done:
                 continue
             with self._lock:
                 entry = self._pending.pop(task, None)
                 if entry is None:
                     continue
                 page_ids, submitted = entry
-                ok = name == "SUCCESS"
+                ok = Status(status) is Status.SUCCESS
                 self.counters["puts_ok" if ok else "puts_failed"] += 1
                 self.counters["reaps"] += 1
                 self.counters["reap_latency_s_sum"] += time.monotonic() - submitted

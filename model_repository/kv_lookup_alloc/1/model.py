@@ -91,17 +91,18 @@ class TritonPythonModel:
         allocated = time.perf_counter()
         try:
             allocs = manager.onboard_many(allocs)  # waits settings.timeouts.onboard_wait_s (cache_owner)
+            onboarded = time.perf_counter()
+            responses = [self._response(r, tokens, alloc) for (r, tokens), alloc in zip(batch, allocs)]
         except Exception:
-            for alloc in allocs:  # their pages return now, not at lease expiry
+            for alloc in allocs:  # the caller serves them again: their pages return now, not at expiry
                 if isinstance(alloc, Allocation):
                     manager.abort(alloc.lease_id)
             raise
-        onboarded = time.perf_counter()
         # Every request of the batch spent the whole of each step in it.
         self.stages.add("lookup", looked_up - started, n)
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard", onboarded - allocated, n)
-        return [self._response(r, tokens, alloc) for (r, tokens), alloc in zip(batch, allocs)]
+        return responses
 
     def _serve_alone(self, item: tuple[RankingInputs, torch.Tensor]):
         try:
