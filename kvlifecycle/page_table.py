@@ -12,24 +12,23 @@ Every page of the pool is in exactly one state:
 
 Operations, in the order a request calls them (invariant 3 of docs/ARCHITECTURE.md):
 
-1. ``match_prefix(keys)``: the committed pages of the longest prefix of ``keys`` (no state
-   change); ``match_prefixes`` for a batch.
-2. ``reserve(...) -> Allocation``: pins the device prefix (refs + 1), takes pages for the host-hit
-   pages and every new token (free list first, then LRU eviction, oldest first). Raises
-   ``PoolExhausted`` when that is impossible, changing nothing. The lease keeps what the
-   request's lookup fixed: its namespace, page keys and token ids (nothing later re-hashes).
-   ``reserve_many(asks)`` does the same for a batch under one lock acquisition; a request that
-   does not fit gets its ``PoolExhausted`` in its place, the others their allocations.
+Every step takes a batch of requests under one lock acquisition.
+
+1. ``match_prefixes(key_chains)``: for each chain, the committed pages of the longest prefix of
+   its keys (no state change).
+2. ``reserve_many(asks) -> [Allocation | PoolExhausted]``: for each request, pins the device
+   prefix (refs + 1) and takes pages for the host-hit pages and every new token (free list
+   first, then LRU eviction, oldest first). A request that does not fit gets its
+   ``PoolExhausted`` in its place and changes nothing. The lease keeps what the request's
+   lookup fixed: its namespace, page keys and token ids (nothing later re-hashes).
 3. optional ``begin_onboard`` / ``finish_onboard(ok_pages)``: while an onboard is in flight the
    lease neither expires nor is released by ``abort`` (the abort is deferred to
    ``finish_onboard``), so the store never writes into a page someone else owns.
    Onboard pages beyond ``ok_pages`` become pages to compute.
-4. ``commit(lease_id) -> list[OffloadItem]``: the lease's full pages become COMMITTED under
-   their keys (a key committed meanwhile keeps the existing page; ours is freed), the
-   partial last page is freed, read pins are dropped. Pages not known to be in the host
-   tier are pinned for offload and returned.
-   ``commit_many(lease_ids) -> list[Committed]`` commits a batch under one lock acquisition;
-   each ``Committed`` carries the lease's namespace with its pages to offload.
+4. ``commit_many(lease_ids) -> [Committed | None]``: each lease's full pages become COMMITTED
+   under their keys (a key committed meanwhile keeps the existing page; ours is freed), the
+   partial last page is freed, read pins are dropped. Pages not known to be in the host tier
+   are pinned for offload; each ``Committed`` carries them with the lease's namespace.
    Or ``abort(lease_id)`` / ``expire(now)``: every page of the lease returns.
 5. ``offload_done(page_ids, ok)``: drops the offload pins. Offload pins also expire (a crashed
    offloader must not leak pages); a late ``offload_done`` for them is ignored.
@@ -243,26 +242,17 @@ class PageTable:
 
     # -- public API ---------------------------------------------------------------------
 
-    def match_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        """Committed pages of the longest prefix of ``keys`` (walks until the first miss)."""
-        with self._lock:
-            return self._match(keys)
-
     def match_prefixes(self, key_chains: Sequence[Sequence[bytes]]) -> list[list[int]]:
-        """``match_prefix`` of each chain, under one lock acquisition."""
+        """For each chain, the committed pages of the longest prefix of its keys (walks until the
+        first miss)."""
         with self._lock:
             return [self._match(keys) for keys in key_chains]
 
-    def reserve(self, ask: ReserveAsk) -> Allocation:
-        """Pin the committed prefix and take pages for the rest; see the module docstring.
-        ``ask.host_pages`` counts pages from position 0 the host store has; those beyond the
-        device prefix are reserved for onboarding."""
-        with self._lock:
-            return self._reserve(ask)
-
     def reserve_many(self, asks: Sequence[ReserveAsk]) -> list[Allocation | PoolExhausted]:
-        """``reserve`` of each ask in order, under one lock acquisition. A request the pool
-        cannot hold gets its ``PoolExhausted`` in its place and changes nothing."""
+        """For each ask in order, pin the committed prefix and take pages for the rest; see the
+        module docstring. ``ask.host_pages`` counts pages from position 0 the host store has;
+        those beyond the device prefix are reserved for onboarding. A request the pool cannot
+        hold gets its ``PoolExhausted`` in its place and changes nothing."""
         out: list[Allocation | PoolExhausted] = []
         with self._lock:
             for ask in asks:
@@ -364,17 +354,10 @@ class PageTable:
                 return None
             return self._allocation(lease)
 
-    def commit(self, lease_id: int, offload: bool = True) -> list[OffloadItem] | None:
-        """Publish the lease's full pages; see the module docstring. None: lease unknown
-        (expired or aborted), nothing changed. With ``offload=False`` no page is pinned for
-        offload (no host tier)."""
-        with self._lock:
-            committed = self._commit(lease_id, offload)
-        return None if committed is None else list(committed.items)
-
     def commit_many(self, lease_ids: Sequence[int], offload: bool = True) -> list[Committed | None]:
-        """``commit`` of each lease in order, under one lock acquisition; None in the place of
-        an unknown lease."""
+        """Publish each lease's full pages, in order; see the module docstring. None in the place
+        of an unknown lease (expired or aborted; nothing changed). With ``offload=False`` no page
+        is pinned for offload (no host tier)."""
         with self._lock:
             return [self._commit(lease_id, offload) for lease_id in lease_ids]
 
