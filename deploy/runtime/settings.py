@@ -52,7 +52,7 @@ class ServingSettings:
     device: str = "cpu"
     model_dir: Path = DEFAULT_MODEL_DIR
     store: str = "none"  # none: the device cache alone; embedded: the store at store_endpoint (hstu-serve starts it)
-    store_endpoint: str = ""  # embedded: ipc://<run_dir>/store.sock; mooncake: master address
+    store_endpoint: str = ""  # embedded, flexkv: ipc://<run_dir>/store.sock; mooncake: master address
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
