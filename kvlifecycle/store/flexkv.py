@@ -57,7 +57,7 @@ from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store.api import Status
 from kvlifecycle.store.embedded import EmbeddedStoreClient
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
-from kvlifecycle.store.protocol import Op, pool_id
+from kvlifecycle.store.protocol import Op, check_task_pages, pool_id
 
 logger = logging.getLogger(__name__)
 
@@ -368,13 +368,7 @@ class FlexKVStoreServer:
 def _token_mask_and_slots(num_tokens: int, seq_pages: np.ndarray, pool_pages: np.ndarray, page_size: int,
                           num_pool_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """FlexKV's (token_mask, slot_mapping) for whole pages: slots in token order."""
-    if seq_pages.shape != pool_pages.shape:
-        raise ValueError("seq_pages/pool_pages: expected the same length")
-    num_full = num_tokens // page_size
-    if seq_pages.size and (seq_pages.min() < 0 or seq_pages.max() >= num_full):
-        raise ValueError(f"seq_pages: expected page indices in [0, {num_full})")
-    if pool_pages.size and (pool_pages.min() < 0 or pool_pages.max() >= num_pool_pages):
-        raise ValueError(f"pool_pages: expected pool page ids in [0, {num_pool_pages})")
+    check_task_pages(num_tokens, seq_pages, pool_pages, page_size, num_pool_pages)
     first = int(seq_pages.min()) if seq_pages.size else 0
     if seq_pages.size and not np.array_equal(np.sort(seq_pages), np.arange(first, first + seq_pages.size)):
         # FlexKV takes a task's pages as the range from its first to its last selected token

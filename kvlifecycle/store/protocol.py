@@ -23,7 +23,9 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["Op", "pool_id"]
+import numpy as np
+
+__all__ = ["Op", "check_task_pages", "pool_id"]
 
 
 class Op(str, enum.Enum):
@@ -55,3 +57,17 @@ def pool_id(handle: dict[str, Any]) -> str:
         stable["ipc"] = {k: v for k, v in ipc.items() if k not in _PER_EXPORT_IPC_FIELDS}
     text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def check_task_pages(num_tokens: int, seq_pages: np.ndarray, pool_pages: np.ndarray, page_size: int,
+                     num_pool_pages: int) -> None:
+    """A put/get's page arrays, as every store server checks them: one pool page per sequence
+    page, sequence pages among the request's full pages, pool pages inside the pool. Raises
+    ValueError naming the field (the server answers BAD_REQUEST)."""
+    if seq_pages.shape != pool_pages.shape:
+        raise ValueError("seq_pages/pool_pages: expected the same length")
+    num_full = num_tokens // page_size
+    if seq_pages.size and (seq_pages.min() < 0 or seq_pages.max() >= num_full):
+        raise ValueError(f"seq_pages: expected page indices in [0, {num_full})")
+    if pool_pages.size and (pool_pages.min() < 0 or pool_pages.max() >= num_pool_pages):
+        raise ValueError(f"pool_pages: expected pool page ids in [0, {num_pool_pages})")

@@ -35,7 +35,7 @@ from kvlifecycle.hashing import page_keys
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
 from kvlifecycle.store.copy_worker import CopyTask, CopyWorker
 from kvlifecycle.store.pools import AttachedPool, PoolRegistry
-from kvlifecycle.store.protocol import Op
+from kvlifecycle.store.protocol import Op, check_task_pages
 
 logger = logging.getLogger(__name__)
 
@@ -175,15 +175,8 @@ class StoreServer:
 
 
 def _check_task(task: CopyTask) -> None:
-    page_size = task.pool.pool.spec.page_size
-    num_full = task.tokens.size // page_size
-    if task.seq_pages.shape != task.pool_pages.shape:
-        raise ValueError("seq_pages/pool_pages: expected the same length")
-    if task.seq_pages.size and (task.seq_pages.min() < 0 or task.seq_pages.max() >= num_full):
-        raise ValueError(f"seq_pages: expected page indices in [0, {num_full})")
-    num_pages = task.pool.pool.spec.num_pages
-    if task.pool_pages.size and (task.pool_pages.min() < 0 or task.pool_pages.max() >= num_pages):
-        raise ValueError(f"pool_pages: expected pool page ids in [0, {num_pages})")
+    spec = task.pool.pool.spec
+    check_task_pages(task.tokens.size, task.seq_pages, task.pool_pages, spec.page_size, spec.num_pages)
     if np.unique(task.seq_pages).size != task.seq_pages.size:
         raise ValueError("seq_pages: expected distinct pages")
 
