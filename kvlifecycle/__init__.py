@@ -2,22 +2,27 @@
 
 - ``kvlifecycle.pool``: the shared device page pool (``PoolSpec``, ``PagePool``).
 - ``kvlifecycle.hashing``: the seeded page key chain (``page_keys``).
-- ``kvlifecycle.page_table``: page states, pins, LRU, leases (invariant 3 lives here).
+- ``kvlifecycle.page_table``: page states, refs, LRU, free list, offload pins.
+- ``kvlifecycle.leases``: ``LeaseTable`` and ``Lease``, who holds which pages (invariant 3 lives
+  here, over the page table).
 - ``kvlifecycle.manager``: ``KVCacheManager`` (lookup / allocate / onboard / commit / abort /
-  offload_done) and ``Offloader``.
+  offload_done).
+- ``kvlifecycle.offload_worker``: ``Offloader`` (put -> reap) and ``OffloadWorker``.
 - ``kvlifecycle.control``: ``ControlServer`` / ``ControlClient`` (pyzmq, JSON).
 - ``kvlifecycle.ops``: ``torch.ops.kvlifecycle.*`` custom ops (import to register them).
 - ``kvlifecycle.store``: the host store API and its backends.
 """
 
 from kvlifecycle.hashing import page_keys
-from kvlifecycle.manager import KVCacheManager, LookupResult, Offloader
-from kvlifecycle.page_table import Allocation, OffloadItem, PoolExhausted
+from kvlifecycle.leases import Lease
+from kvlifecycle.manager import KVCacheManager, LookupResult
+from kvlifecycle.offload_worker import Offloader
+from kvlifecycle.page_table import OffloadItem, PoolExhausted
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages, slots_for_positions
 
 __all__ = [
-    "Allocation",
     "KVCacheManager",
+    "Lease",
     "LookupResult",
     "OffloadItem",
     "Offloader",

@@ -1,23 +1,23 @@
 """KVCacheManager: the owner process's KV-cache lifecycle (lookup -> allocate -> onboard ->
-compute -> commit -> offload -> offload_done), and the Offloader that puts committed pages
-into the host store and reaps the puts.
+compute -> commit -> offload -> offload_done). The ``Offloader`` that puts committed pages into
+the host store and reaps the puts lives in ``kvlifecycle.offload_worker`` (re-exported here).
 
 Call order for one request (ARCHITECTURE.md)::
 
     hit   = mgr.lookup(user_id, token_ids)              # LookupResult; never raises for the store
-    alloc = mgr.allocate(user_id, token_ids, hit)       # Allocation; may raise PoolExhausted
-    alloc = mgr.onboard(alloc)                          # host -> device; failures shrink cached_len
-    ... compute reads [0, alloc.cached_len) and writes [alloc.cached_len, num_tokens) ...
-    items = mgr.commit(alloc.lease_id)                  # list[OffloadItem], pinned for offload
-    # or mgr.abort(alloc.lease_id); a lease not committed in ttl_s expires (expire_leases)
+    lease = mgr.allocate(user_id, token_ids, hit)       # Lease; may raise PoolExhausted
+    lease = mgr.onboard(lease)                          # host -> device; failures shrink cached_len
+    ... compute reads [0, lease.cached_len) and writes [lease.cached_len, num_tokens) ...
+    items = mgr.commit(lease.lease_id)                  # list[OffloadItem], pinned for offload
+    # or mgr.abort(lease.lease_id); a lease not committed in ttl_s expires (expire_leases)
     offloader.launch(hit.namespace, token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
 
 and for a batch of requests (one table lock per step for the whole batch, one store wait for
 every onboard of the batch; per-request outcomes, never one exception for the batch)::
 
     hits   = mgr.lookup_many([(user_id, token_ids), ...])   # list[LookupResult]
-    allocs = mgr.allocate_many(hits)                        # list[Allocation | PoolExhausted]
-    allocs = mgr.onboard_many(allocs)                       # list[Allocation | LeaseGone | PoolExhausted]
+    leases = mgr.allocate_many(hits)                        # list[Lease | PoolExhausted]
+    leases = mgr.onboard_many(leases)                       # list[Lease | LeaseGone | PoolExhausted]
     done   = mgr.commit_many(lease_ids)                     # list[Committed]
 
 The request's namespace, page keys and token ids are fixed once, by ``lookup``: the
@@ -28,8 +28,9 @@ Promises:
 - Content addressing (invariant 2 of docs/ARCHITECTURE.md): pages are found only by chain keys over the
   whole prefix and the namespace (``kvlifecycle.hashing``); a changed history or namespace
   misses from the first differing page on.
-- Page safety (invariant 3) lives in ``kvlifecycle.page_table.PageTable``; this class only
-  computes keys and talks to the store, never holding the table's lock during I/O.
+- Page safety (invariant 3) lives in ``kvlifecycle.leases.LeaseTable`` (over
+  ``kvlifecycle.page_table.PageTable``); this class only computes keys and talks to the store,
+  never holding the table's lock during I/O.
 - Fail open (invariant 6): a store error or timeout in ``lookup`` is a miss and in ``onboard``
   a recompute; both are counted in ``stats()`` and logged, never raised.
 
@@ -44,7 +45,6 @@ table until the first miss, which is O(pages) dictionary probes.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -53,7 +53,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
-from kvlifecycle.page_table import Allocation, Committed, OffloadItem, PageTable, PoolExhausted, ReserveAsk
+from kvlifecycle.leases import Lease, LeaseTable, ReserveAsk
+from kvlifecycle.offload_worker import Offloader  # re-exported: ops.py and older callers import it from here
+from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
 from kvlifecycle.store.api import Status
 
@@ -63,9 +65,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Allocation",
     "Committed",
     "KVCacheManager",
+    "Lease",
     "LeaseGone",
     "LookupResult",
     "OffloadItem",
@@ -130,8 +132,8 @@ class KVCacheManager:
         self.lease_ttl_s = lease_ttl_s
         self.store_timeout_s = store_timeout_s
         self.clock = clock
-        self.table = PageTable(pool_spec.num_pages, pool_spec.page_size,
-                               offload_ttl_s=offload_ttl_s, clock=clock)
+        self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
+                                 offload_ttl_s=offload_ttl_s, clock=clock)
 
     @property
     def page_size(self) -> int:
@@ -150,7 +152,7 @@ class KVCacheManager:
         requests with full pages beyond their device prefix."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
         chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
-        devices = self.table.match_prefixes(chains)
+        devices = self.leases.match_prefixes(chains)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False
@@ -167,11 +169,11 @@ class KVCacheManager:
                 store_error=store_error,
             ))
         for outcome, n in Counter(r.outcome for r in results).items():
-            self.table.count(f"lookups_{outcome}", n)
+            self.leases.count(f"lookups_{outcome}", n)
         return results
 
     def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
-                 ttl_s: float | None = None) -> Allocation:
+                 ttl_s: float | None = None) -> Lease:
         """Reserve pages for the request under a new lease. The device prefix is matched again
         (it may have changed since ``hit``); host pages of ``hit`` beyond it are reserved for
         onboarding. With ``hit`` its keys are used as they are (``token_ids`` must be the
@@ -190,77 +192,77 @@ class KVCacheManager:
         return result
 
     def allocate_many(self, hits: Sequence[LookupResult],
-                      ttl_s: float | None = None) -> list[Allocation | PoolExhausted]:
+                      ttl_s: float | None = None) -> list[Lease | PoolExhausted]:
         """``allocate`` of each looked-up request, in order, under one table lock. A request the
         pool cannot hold gets its ``PoolExhausted`` in its place and changes nothing."""
         ttl = self.lease_ttl_s if ttl_s is None else ttl_s
-        return self.table.reserve_many([
+        return self.leases.reserve_many([
             ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
                        host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl)
             for hit in hits
         ])
 
-    def onboard(self, alloc: Allocation, timeout_s: float | None = None) -> Allocation:
+    def onboard(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Copy the host-hit pages into the reserved pages and wait. On any store failure the
-        pages not copied become pages to compute: the returned allocation's ``cached_len``
+        pages not copied become pages to compute: the returned lease's ``cached_len``
         shrinks (same page row). Raises ``LeaseGone`` when the lease was aborted meanwhile."""
-        if alloc.onboarded:
-            return alloc
-        task = self.onboard_launch(alloc.lease_id)
-        return self.onboard_wait(alloc.lease_id, task, timeout_s)
+        if lease.onboarded:
+            return lease
+        task = self.onboard_launch(lease.lease_id)
+        return self.onboard_wait(lease.lease_id, task, timeout_s)
 
     def onboard_launch(self, lease_id: int) -> int | None:
         """Start the host -> device copy of a lease's onboard pages; returns the store task id,
         or None when there is nothing to copy (or the store refused: the pages are then
         recomputed once ``onboard_wait`` is called)."""
-        lease = self.table.get_lease(lease_id)
-        if lease is None or not self.table.begin_onboard(lease_id):
+        lease = self.leases.get_lease(lease_id)
+        if lease is None or not self.leases.begin_onboard(lease_id):
             return None
         if self.store is None:
             return None
         S = self.page_size
-        start, stop = lease.num_device * S, (lease.num_device + lease.num_onboard) * S
+        start, stop = lease.device_tokens, lease.cached_len
         assert lease.tokens.size >= stop, (
             f"onboard_launch: lease {lease_id} expected its token ids (>= {stop}), got {lease.tokens.size}"
         )
         mask = np.zeros(stop, dtype=bool)
         mask[start:stop] = True
-        slots = slots_for_pages(lease.page_row[lease.num_device: lease.num_device + lease.num_onboard], S)
+        slots = slots_for_pages(lease.onboard_pages, S)
         try:
             task = self.store.get_async(lease.tokens[:stop], slots, lease.namespace, mask)
         except Exception:
             logger.warning("host store get_async failed for lease %d; recomputing %d pages",
-                           lease_id, lease.num_onboard, exc_info=True)
-            self.table.count("store_errors")
+                           lease_id, lease.num_onboard_pages, exc_info=True)
+            self.leases.count("store_errors")
             return None
-        self.table.set_store_task(lease_id, task)
+        self.leases.set_store_task(lease_id, task)
         return task
 
     def onboard_wait(self, lease_id: int, task: int | None,
-                     timeout_s: float | None = None) -> Allocation:
-        """Finish an onboard started by ``onboard_launch`` and return the final allocation."""
+                     timeout_s: float | None = None) -> Lease:
+        """Finish an onboard started by ``onboard_launch`` and return the final lease."""
         statuses = {} if task is None else self._wait(
             [task], self.store_timeout_s if timeout_s is None else timeout_s)
         return self._settle_onboard(lease_id, task, statuses.get(task))
 
-    def onboard_many(self, allocs: Sequence[Allocation | PoolExhausted], timeout_s: float | None = None
-                     ) -> list[Allocation | PoolExhausted | LeaseGone]:
-        """``onboard`` of each allocation of a batch: every copy is launched, then one store
+    def onboard_many(self, leases: Sequence[Lease | PoolExhausted], timeout_s: float | None = None
+                     ) -> list[Lease | PoolExhausted | LeaseGone]:
+        """``onboard`` of each lease of a batch: every copy is launched, then one store
         ``wait`` covers them all. A ``PoolExhausted`` in the input stays in its place; a lease
         that was aborted meanwhile, or has no pages left to recompute into, gets its exception
         in its place."""
-        tasks = {a.lease_id: self.onboard_launch(a.lease_id) for a in allocs
-                 if isinstance(a, Allocation) and not a.onboarded}
+        tasks = {lease.lease_id: self.onboard_launch(lease.lease_id) for lease in leases
+                 if isinstance(lease, Lease) and not lease.onboarded}
         in_flight = [t for t in tasks.values() if t is not None]
         statuses = self._wait(in_flight, self.store_timeout_s if timeout_s is None else timeout_s) if in_flight else {}
-        out: list[Allocation | PoolExhausted | LeaseGone] = []
-        for alloc in allocs:
-            if not isinstance(alloc, Allocation) or alloc.onboarded:
-                out.append(alloc)
+        out: list[Lease | PoolExhausted | LeaseGone] = []
+        for lease in leases:
+            if not isinstance(lease, Lease) or lease.onboarded:
+                out.append(lease)
                 continue
-            task = tasks[alloc.lease_id]
+            task = tasks[lease.lease_id]
             try:
-                out.append(self._settle_onboard(alloc.lease_id, task, statuses.get(task)))
+                out.append(self._settle_onboard(lease.lease_id, task, statuses.get(task)))
             except (LeaseGone, PoolExhausted) as e:
                 out.append(e)
         return out
@@ -275,7 +277,7 @@ class KVCacheManager:
         namespace (the one its keys were made in) with its pages to offload; an unknown lease
         commits nothing (no items)."""
         out = []
-        for lease_id, committed in zip(lease_ids, self.table.commit_many(lease_ids, offload=self.offload_enabled)):
+        for lease_id, committed in zip(lease_ids, self.leases.commit_many(lease_ids, offload=self.offload_enabled)):
             if committed is None:
                 logger.warning("commit of unknown lease %d (expired or aborted); nothing cached", lease_id)
                 committed = Committed(lease_id, self.namespace, ())
@@ -284,24 +286,24 @@ class KVCacheManager:
 
     def abort(self, lease_id: int) -> bool:
         """Return every page of the lease; False when it is unknown."""
-        return self.table.abort(lease_id)
+        return self.leases.abort(lease_id)
 
     def expire_leases(self, now: float | None = None) -> list[int]:
         """Release expired leases and offload pins, and quarantined pages whose store task
         finished. Returns the expired lease ids."""
-        expired = self.table.expire(now)
+        expired = self.leases.expire(now)
         self._reap_quarantine()
         return expired
 
     def offload_done(self, page_ids: Sequence[int], ok: bool) -> int:
         """Drop the offload pins of ``page_ids``; ``ok`` records them as held by the host."""
-        return self.table.offload_done(page_ids, ok)
+        return self.leases.offload_done(page_ids, ok)
 
     def stats(self) -> dict[str, int]:
-        return self.table.stats()
+        return self.leases.stats()
 
     def check_invariants(self) -> None:
-        self.table.check_invariants()
+        self.leases.check_invariants()
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -316,12 +318,12 @@ class KVCacheManager:
             self.store.try_wait([task])
         except Exception:
             logger.warning("host store get_match failed; treating as a miss", exc_info=True)
-            self.table.count("store_errors")
+            self.leases.count("store_errors")
             return 0, True
         if mask.shape != tokens.shape:
             logger.warning("host store get_match: expected a mask of shape %s, got %s; miss",
                            tokens.shape, mask.shape)
-            self.table.count("store_errors")
+            self.leases.count("store_errors")
             return 0, True
         misses = np.flatnonzero(~mask)
         prefix = int(misses[0]) if misses.size else int(mask.size)
@@ -334,13 +336,13 @@ class KVCacheManager:
             statuses = self.store.wait(tasks, timeout_s)
         except Exception:
             logger.warning("host store wait failed for tasks %s", tasks, exc_info=True)
-            self.table.count("store_errors")
+            self.leases.count("store_errors")
             return {task: Status.TIMEOUT for task in tasks}
         return {task: Status(statuses.get(task, Status.FAILED)) for task in tasks}
 
-    def _settle_onboard(self, lease_id: int, task: int | None, status: Status | None) -> Allocation:
+    def _settle_onboard(self, lease_id: int, task: int | None, status: Status | None) -> Lease:
         """End a lease's onboard given its store task's final ``status`` (None: no task)."""
-        lease = self.table.get_lease(lease_id)
+        lease = self.leases.get_lease(lease_id)
         if lease is None:
             raise LeaseGone(f"onboard_wait: lease {lease_id} is unknown (aborted or expired)")
         if lease.onboarded or not lease.onboarding:
@@ -348,17 +350,17 @@ class KVCacheManager:
         ok_pages, in_flight = 0, None
         if task is not None:
             if status is Status.SUCCESS:
-                ok_pages = lease.num_onboard
+                ok_pages = lease.num_onboard_pages
             elif not status.done:  # TIMEOUT or UNREADY: the copy may still run
                 in_flight = task
                 self._cancel(task)
                 logger.warning("host store onboard of lease %d timed out; recomputing %d pages",
-                               lease_id, lease.num_onboard)
-                self.table.count("store_timeouts")
+                               lease_id, lease.num_onboard_pages)
+                self.leases.count("store_timeouts")
             else:
                 logger.warning("host store onboard of lease %d ended %s; recomputing %d pages",
-                               lease_id, status, lease.num_onboard)
-                self.table.count("store_errors" if status is Status.FAILED else "onboard_misses")
+                               lease_id, status, lease.num_onboard_pages)
+                self.leases.count("store_errors" if status is Status.FAILED else "onboard_misses")
         return self._finish(lease_id, ok_pages, in_flight)
 
     def _unlooked(self, user_id: int, tokens: np.ndarray) -> LookupResult:
@@ -373,14 +375,14 @@ class KVCacheManager:
         except Exception:
             logger.warning("host store cancel failed for task %s", task, exc_info=True)
 
-    def _finish(self, lease_id: int, ok_pages: int, in_flight: object) -> Allocation:
-        alloc = self.table.finish_onboard(lease_id, ok_pages, in_flight)
-        if alloc is None:
+    def _finish(self, lease_id: int, ok_pages: int, in_flight: object) -> Lease:
+        lease = self.leases.finish_onboard(lease_id, ok_pages, in_flight)
+        if lease is None:
             raise LeaseGone(f"onboard: lease {lease_id} was aborted during the onboard")
-        return alloc
+        return lease
 
     def _reap_quarantine(self) -> None:
-        tasks = self.table.quarantined_tasks()
+        tasks = self.leases.quarantined_tasks()
         if not tasks or self.store is None:
             return
         try:
@@ -391,111 +393,9 @@ class KVCacheManager:
         for task in tasks:
             status = Status(statuses.get(task, Status.UNREADY))
             if status.done:
-                freed = self.table.release_quarantine(task)
+                freed = self.leases.release_quarantine(task)
                 logger.info("store task %s ended %s; %d quarantined pages freed", task, status, freed)
 
 
 class LeaseGone(RuntimeError):
     """The lease was aborted or expired while the caller still used it."""
-
-
-class Offloader:
-    """Puts committed pages into the host store and reaps the puts, off the request path.
-
-    ``launch(namespace, token_ids, items)`` submits one ``put_async`` for a commit's
-    ``OffloadItem``s (under the lease's namespace, ``Committed.namespace``) and
-    returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and for each
-    finished put calls ``done(page_ids, ok)`` (``KVCacheManager.offload_done`` or
-    ``ControlClient.offload_done``) exactly once. A put that cannot be submitted is reported
-    ``ok=False`` at once. Puts are reaped in any order; each task's pages are reported together.
-    Thread-safe (one lock around the pending table; store calls outside it)."""
-
-    def __init__(self, store: "HostStoreClient", page_size: int,
-                 done: Callable[[list[int], bool], object]) -> None:
-        self.store = store
-        self.page_size = page_size
-        self.done = done
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[list[int], float]] = {}  # task -> (page ids, submit time)
-        self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0,
-                         "reaps": 0, "reap_latency_s_sum": 0.0}
-
-    def launch(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
-        """Submit the put of ``items`` (pages of the request ``token_ids``, keyed in the lease's
-        ``namespace``); the task id, or None when there was nothing to put or the store refused
-        (pages reported failed)."""
-        if not items:
-            return None
-        tokens = tokens_as_int64(token_ids)
-        S = self.page_size
-        items = sorted(items, key=lambda it: it.prefix_len)
-        end = items[-1].prefix_len
-        page_ids = [it.page_id for it in items]
-        try:
-            assert end <= tokens.size, (
-                f"Offloader.launch: items reach token {end}, got only {tokens.size} token ids"
-            )
-            mask = np.zeros(end, dtype=bool)
-            for it in items:
-                mask[it.prefix_len - S: it.prefix_len] = True
-            task = self.store.put_async(tokens[:end], slots_for_pages(page_ids, S), namespace, mask)
-        except Exception:
-            logger.warning("host store put_async failed for %d pages", len(page_ids), exc_info=True)
-            self.counters["submit_errors"] += 1
-            self._report(page_ids, False)
-            return None
-        with self._lock:
-            self._pending[task] = (page_ids, time.monotonic())
-            self.counters["puts"] += 1
-        return task
-
-    def reap(self) -> int:
-        """Report every finished put without blocking; returns how many were reaped."""
-        return self._collect(None)
-
-    def flush(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for every pending put and report them; puts still running
-        stay pending. Returns how many were reaped."""
-        return self._collect(timeout_s)
-
-    @property
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
-    # -- helpers ------------------------------------------------------------------------
-
-    def _collect(self, timeout_s: float | None) -> int:
-        with self._lock:
-            tasks = list(self._pending)
-        if not tasks:
-            return 0
-        try:
-            statuses = self.store.try_wait(tasks) if timeout_s is None else self.store.wait(tasks, timeout_s)
-        except Exception:
-            logger.warning("host store poll failed for %d puts", len(tasks), exc_info=True)
-            return 0
-        reaped = 0
-        for task in tasks:
-            status = statuses.get(task)
-            if status is None or not Status(status).done:
-                continue
-            with self._lock:
-                entry = self._pending.pop(task, None)
-                if entry is None:
-                    continue
-                page_ids, submitted = entry
-                ok = Status(status) is Status.SUCCESS
-                self.counters["puts_ok" if ok else "puts_failed"] += 1
-                self.counters["reaps"] += 1
-                self.counters["reap_latency_s_sum"] += time.monotonic() - submitted
-            self._report(page_ids, ok)
-            reaped += 1
-        return reaped
-
-    def _report(self, page_ids: list[int], ok: bool) -> None:
-        try:
-            self.done(page_ids, ok)
-        except Exception:
-            logger.warning("offload_done(%d pages, ok=%s) failed; the pins expire instead",
-                           len(page_ids), ok, exc_info=True)

@@ -1,6 +1,9 @@
-"""OffloadWorker: put -> reap for committed pages, on one background thread.
+"""Offloading committed pages to the host store: ``Offloader`` (put -> reap, driven by its
+caller) and ``OffloadWorker`` (an ``Offloader`` on one background thread).
 
-Used by a process that does not own the page table (kv_offload). Call order:
+``Offloader`` is used directly by a process that owns the page table (hstu_monolithic, the
+torch ops: ``done`` is ``KVCacheManager.offload_done``). ``OffloadWorker`` is used by a process
+that does not own the page table (kv_offload). Call order:
 
     worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
@@ -19,15 +22,124 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Sequence
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from kvlifecycle.hashing import TokenIds
-from kvlifecycle.manager import Offloader
+import numpy as np
+
+from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.page_table import OffloadItem
+from kvlifecycle.pool import slots_for_pages
+from kvlifecycle.store.api import Status
+
+if TYPE_CHECKING:
+    from kvlifecycle.store.api import HostStoreClient
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class Offloader:
+    """Puts committed pages into the host store and reaps the puts, off the request path.
+
+    ``launch(namespace, token_ids, items)`` submits one ``put_async`` for a commit's
+    ``OffloadItem``s (under the lease's namespace, ``Committed.namespace``) and
+    returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and for each
+    finished put calls ``done(page_ids, ok)`` (``KVCacheManager.offload_done`` or
+    ``ControlClient.offload_done``) exactly once. A put that cannot be submitted is reported
+    ``ok=False`` at once. Puts are reaped in any order; each task's pages are reported together.
+    Thread-safe (one lock around the pending table; store calls outside it)."""
+
+    def __init__(self, store: "HostStoreClient", page_size: int,
+                 done: Callable[[list[int], bool], object]) -> None:
+        self.store = store
+        self.page_size = page_size
+        self.done = done
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[list[int], float]] = {}  # task -> (page ids, submit time)
+        self.counters = {"puts": 0, "puts_ok": 0, "puts_failed": 0, "submit_errors": 0,
+                         "reaps": 0, "reap_latency_s_sum": 0.0}
+
+    def launch(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> int | None:
+        """Submit the put of ``items`` (pages of the request ``token_ids``, keyed in the lease's
+        ``namespace``); the task id, or None when there was nothing to put or the store refused
+        (pages reported failed)."""
+        if not items:
+            return None
+        tokens = tokens_as_int64(token_ids)
+        S = self.page_size
+        items = sorted(items, key=lambda it: it.prefix_len)
+        end = items[-1].prefix_len
+        page_ids = [it.page_id for it in items]
+        try:
+            assert end <= tokens.size, (
+                f"Offloader.launch: items reach token {end}, got only {tokens.size} token ids"
+            )
+            mask = np.zeros(end, dtype=bool)
+            for it in items:
+                mask[it.prefix_len - S: it.prefix_len] = True
+            task = self.store.put_async(tokens[:end], slots_for_pages(page_ids, S), namespace, mask)
+        except Exception:
+            logger.warning("host store put_async failed for %d pages", len(page_ids), exc_info=True)
+            self.counters["submit_errors"] += 1
+            self._report(page_ids, False)
+            return None
+        with self._lock:
+            self._pending[task] = (page_ids, time.monotonic())
+            self.counters["puts"] += 1
+        return task
+
+    def reap(self) -> int:
+        """Report every finished put without blocking; returns how many were reaped."""
+        return self._collect(None)
+
+    def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for every pending put and report them; puts still running
+        stay pending. Returns how many were reaped."""
+        return self._collect(timeout_s)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _collect(self, timeout_s: float | None) -> int:
+        with self._lock:
+            tasks = list(self._pending)
+        if not tasks:
+            return 0
+        try:
+            statuses = self.store.try_wait(tasks) if timeout_s is None else self.store.wait(tasks, timeout_s)
+        except Exception:
+            logger.warning("host store poll failed for %d puts", len(tasks), exc_info=True)
+            return 0
+        reaped = 0
+        for task in tasks:
+            status = statuses.get(task)
+            if status is None or not Status(status).done:
+                continue
+            with self._lock:
+                entry = self._pending.pop(task, None)
+                if entry is None:
+                    continue
+                page_ids, submitted = entry
+                ok = Status(status) is Status.SUCCESS
+                self.counters["puts_ok" if ok else "puts_failed"] += 1
+                self.counters["reaps"] += 1
+                self.counters["reap_latency_s_sum"] += time.monotonic() - submitted
+            self._report(page_ids, ok)
+            reaped += 1
+        return reaped
+
+    def _report(self, page_ids: list[int], ok: bool) -> None:
+        try:
+            self.done(page_ids, ok)
+        except Exception:
+            logger.warning("offload_done(%d pages, ok=%s) failed; the pins expire instead",
+                           len(page_ids), ok, exc_info=True)
 
 
 class OffloadWorker:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvlifecycle.manager import KVCacheManager, LeaseGone, Offloader
+from kvlifecycle.manager import KVCacheManager, LeaseGone
+from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
 
 from .kvl_fakes import FakeStore
@@ -44,7 +45,7 @@ def smgr(tiny_spec, store, clock):
 
 
 def serve(m, user, tokens):
-    """lookup -> allocate -> onboard -> commit; returns (allocation, offload items)."""
+    """lookup -> allocate -> onboard -> commit; returns (lease, offload items)."""
     alloc = m.onboard(m.allocate(user, tokens, m.lookup(user, tokens)))
     return alloc, m.commit(alloc.lease_id)
 
@@ -253,7 +254,10 @@ def test_onboard_timeout_quarantines_pages_until_the_store_task_ends(smgr, store
     done = smgr.onboard(alloc)
     assert done.cached_len == 0
     assert not set(done.page_row) & set(alloc.onboard_pages)  # fresh pages to compute into
-    assert smgr.stats()["pages_quarantined"] == 2 and store.cancelled
+    s = smgr.stats()
+    assert s["pages_quarantined"] == 2 and store.cancelled
+    # the quarantine is no request's lease: only the request's own pages count as leased
+    assert (s["leases_active"], s["pages_leased"]) == (1, len(done.page_row))
     smgr.check_invariants()
     smgr.expire_leases()
     assert smgr.stats()["pages_quarantined"] == 2  # the store may still write them

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvlifecycle.hashing import page_keys
-from kvlifecycle.manager import KVCacheManager, Offloader
+from kvlifecycle.manager import KVCacheManager
+from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
 from kvlifecycle.pool import PagePool, PoolSpec
 
@@ -118,10 +119,10 @@ class Lifecycle(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.mgr.check_invariants()
-        for page, key in self.mgr.table._page_key.items():
+        for page, key in self.mgr.leases.pages._page_key.items():
             assert self.page(page) == sig(key), f"committed page {page} was overwritten"
         for lid, (_, alloc, _) in self.leases.items():  # read pins and leased pages hold
-            got = [self.page(p) for p in self.mgr.table.get_lease(lid).page_row]
+            got = [self.page(p) for p in self.mgr.leases.get_lease(lid).page_row]
             assert got == self.expected[lid], f"lease {lid}: a page it reads or writes was reused"
 
     def teardown(self):
@@ -156,5 +157,5 @@ def test_rewritten_history_or_namespace_recomputes_from_the_first_difference(his
     expected = (k // 4) * 4
     assert mgr.lookup(1, rewritten).device_tokens == expected
     other = KVCacheManager(spec, ns)
-    other.table = mgr.table  # same pages, another model's namespace
+    other.leases = mgr.leases  # same pages, another model's namespace
     assert other.lookup(1, history).device_tokens == (len(history) // 4 * 4 if ns == "a" else 0)

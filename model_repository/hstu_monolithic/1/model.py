@@ -15,7 +15,7 @@ from deploy.runtime.cache_owner import open_kv_cache
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics
-from kvlifecycle.manager import Offloader
+from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("hstu_monolithic")
@@ -45,11 +45,11 @@ class TritonPythonModel:
             tokens = history_tokens(r.item_ids, r.action_ids, self.config)
             manager.expire_leases()
             hit = manager.lookup(r.user_id, tokens)
-            alloc = manager.allocate(r.user_id, tokens, hit)
-            lease_id = alloc.lease_id
-            alloc = manager.onboard(alloc)
-            batch = PagedBatch.from_requests([(tokens[alloc.cached_len:], alloc.cached_len,
-                                               list(alloc.page_row), r.candidate_ids)])
+            lease = manager.allocate(r.user_id, tokens, hit)
+            lease_id = lease.lease_id
+            lease = manager.onboard(lease)
+            batch = PagedBatch.from_requests([(tokens[lease.cached_len:], lease.cached_len,
+                                               list(lease.page_row), r.candidate_ids)])
             scores = self.run(self.cache.pool.tensor, batch)  # [c, num_tasks]
             if self.settings.device == "cuda":
                 torch.cuda.current_stream().synchronize()

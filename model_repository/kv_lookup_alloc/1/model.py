@@ -23,7 +23,8 @@ from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
-from kvlifecycle.page_table import Allocation, PoolExhausted
+from kvlifecycle.leases import Lease
+from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("kv_lookup_alloc")
 
@@ -87,16 +88,16 @@ class TritonPythonModel:
         started = time.perf_counter()
         hits = manager.lookup_many([(r.user_id, tokens) for r, tokens in batch])
         looked_up = time.perf_counter()
-        allocs = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
+        leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
         allocated = time.perf_counter()
         try:
-            allocs = manager.onboard_many(allocs)  # waits settings.timeouts.onboard_wait_s (cache_owner)
+            leases = manager.onboard_many(leases)  # waits settings.timeouts.onboard_wait_s (cache_owner)
             onboarded = time.perf_counter()
-            responses = [self._response(r, tokens, alloc) for (r, tokens), alloc in zip(batch, allocs)]
+            responses = [self._response(r, tokens, lease) for (r, tokens), lease in zip(batch, leases)]
         except Exception:
-            for alloc in allocs:  # the caller serves them again: their pages return now, not at expiry
-                if isinstance(alloc, Allocation):
-                    manager.abort(alloc.lease_id)
+            for lease in leases:  # the caller serves them again: their pages return now, not at expiry
+                if isinstance(lease, Lease):
+                    manager.abort(lease.lease_id)
             raise
         # Every request of the batch spent the whole of each step in it.
         self.stages.add("lookup", looked_up - started, n)
@@ -111,17 +112,17 @@ class TritonPythonModel:
             logger.error("kv_lookup_alloc failed on a request", exc_info=True)
             return error_response(f"kv_lookup_alloc: internal error: {e}")
 
-    def _response(self, r: RankingInputs, tokens: torch.Tensor, alloc):
-        if isinstance(alloc, PoolExhausted):
-            return error_response(f"KV page pool exhausted, retry later: {alloc}")
-        if not isinstance(alloc, Allocation):  # LeaseGone: aborted during its onboard
-            return error_response(f"kv_lookup_alloc: internal error: {alloc}")
-        cached_len = alloc.cached_len  # a failed onboard only shrinks cached_len
+    def _response(self, r: RankingInputs, tokens: torch.Tensor, lease):
+        if isinstance(lease, PoolExhausted):
+            return error_response(f"KV page pool exhausted, retry later: {lease}")
+        if not isinstance(lease, Lease):  # LeaseGone: aborted during its onboard
+            return error_response(f"kv_lookup_alloc: internal error: {lease}")
+        cached_len = lease.cached_len  # a failed onboard only shrinks cached_len
         row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[
             output_tensor("new_tokens", row(tokens[cached_len:])),
             output_tensor("cached_len", row([cached_len])),
-            output_tensor("page_row", row(alloc.page_row)),
+            output_tensor("page_row", row(lease.page_row)),
             output_tensor("candidates", row(r.candidate_ids)),
-            output_tensor("lease_id", row([alloc.lease_id])),
+            output_tensor("lease_id", row([lease.lease_id])),
         ])
