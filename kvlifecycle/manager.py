@@ -54,7 +54,6 @@ import numpy as np
 
 from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
 from kvlifecycle.leases import Lease, LeaseTable, ReserveAsk
-from kvlifecycle.offload_worker import Offloader  # re-exported: ops.py and older callers import it from here
 from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
 from kvlifecycle.store.api import Status
@@ -71,7 +70,6 @@ __all__ = [
     "LeaseGone",
     "LookupResult",
     "OffloadItem",
-    "Offloader",
     "PoolExhausted",
 ]
 

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from kvlifecycle.manager import LookupResult, Offloader
+from kvlifecycle.manager import LookupResult
+from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.hashing import page_keys, tokens_as_int64
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kvlifecycle import ops
-from kvlifecycle.manager import KVCacheManager, Offloader
+from kvlifecycle.manager import KVCacheManager
+from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.pool import PagePool, PoolSpec
 
 from .kvl_fakes import FakeStore
