@@ -39,16 +39,7 @@ Runner = Callable[[torch.Tensor, PagedBatch], torch.Tensor]
 def load_eager(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     """Runner over ``HSTUModel.forward`` on ``device`` (no compilation)."""
     model = load_model(model_dir, device)
-    config = model.config
-
-    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        _check(kv_pool, batch, config)
-        with torch.no_grad():
-            scores, kv_rows, kv_values = model(*batch.graph_inputs(kv_pool))
-            write_new_kv(kv_pool, kv_rows, kv_values)
-        return scores
-
-    return run
+    return _runner(model, model.config)
 
 
 def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
@@ -70,19 +61,25 @@ def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     else:
         compiled = torch._inductor.aoti_load_package(str(path))
     logger.info("loaded AOTI package %s", path)
-
-    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        _check(kv_pool, batch, config)
-        with torch.no_grad():
-            scores, kv_rows, kv_values = compiled(*batch.graph_inputs(kv_pool))
-            write_new_kv(kv_pool, kv_rows, kv_values)
-        return scores
-
-    return run
+    return _runner(compiled, config)
 
 
 # ---------------------------------------------------------------------------------------
 # helpers
+
+
+def _runner(graph: Callable, config: HSTUConfig) -> Runner:
+    """``run(kv_pool, batch)`` over ``graph`` (the compiled package or the module): check, run the
+    graph (it only reads the pool), then write the new tokens' K/V rows it returns."""
+
+    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        _check(kv_pool, batch, config)
+        with torch.no_grad():
+            scores, kv_rows, kv_values = graph(*batch.graph_inputs(kv_pool))
+            write_new_kv(kv_pool, kv_rows, kv_values)
+        return scores
+
+    return run
 
 
 def _check(kv_pool: torch.Tensor, batch: PagedBatch, config: HSTUConfig) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import platform
@@ -36,6 +35,7 @@ import torch
 
 from compute import HSTUConfig, PagedBatch, build, load_compiled, load_eager
 from compute.runtime import Runner
+from deploy.bench_report import write_dated_report
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +183,7 @@ def main() -> int:
         "pool_sweep": sweep,
         "pool_sweep_largest_over_smallest": largest_over_smallest,
     }
-    options.report_dir.mkdir(parents=True, exist_ok=True)
-    path = options.report_dir / f"compute-{datetime.date.today().isoformat()}-{options.device}-{config_name}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_dated_report(options.report_dir, "compute", f"{options.device}-{config_name}", report)
     return 0
 
 

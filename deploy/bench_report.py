@@ -4,13 +4,17 @@
 - `summarize(report) -> Summary`: per sweep point ensemble vs monolithic, the goals (README,
   "Benchmarks"), and warnings on what makes the numbers mean less than they seem.
 - `format_summary(report) -> str`: the printed summary. Formatting happens here only.
+- `write_dated_report(report_dir, kind, suffix, data)`: the JSON file of a one-off bench tool
+  (hstu-bench-compute, hstu-bench-store): `<kind>-<date>-<suffix>.json`.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from deploy.bench_phases import MODELS, BenchConfig
 from deploy.bench_results import PhaseResults
@@ -228,3 +232,12 @@ def _warnings(report: BenchReport) -> list[str]:
         out.append(f"1-min load average {load:.2f} before the run on {report.machine.cores} cores: "
                    "other work shared the CPU")
     return out
+
+
+def write_dated_report(report_dir: Path, kind: str, suffix: str, data: dict) -> Path:
+    """Write `data` to `report_dir/<kind>-<today>-<suffix>.json`, say so, and return the path."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    path = report_dir / f"{kind}-{datetime.date.today().isoformat()}-{suffix}.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path

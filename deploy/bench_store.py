@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import platform
 import time
@@ -25,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from deploy.bench_report import write_dated_report
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.rpc import default_endpoint
@@ -81,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_size": calls,
         "results": rows,
     }
-    a.report_dir.mkdir(parents=True, exist_ok=True)
-    out = a.report_dir / f"store-{dt.date.today().isoformat()}-{a.device}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_dated_report(a.report_dir, "store", a.device, report)
     return 0
 
 
