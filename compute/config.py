@@ -83,6 +83,15 @@ class HSTUConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def serving_mismatch(self, other: "HSTUConfig") -> list[str]:
+        """The fields in which ``other`` cannot serve beside this config: the request limits and
+        the KV geometry (one page pool and one validation serve every model version). Width,
+        depth of the MLPs, weights and seed may differ: they change the KV namespace only."""
+        fields = ("item_vocab", "action_vocab", "max_history_events", "max_candidates", "page_size",
+                  "num_layers", "num_heads", "head_dim", "num_tasks", "dtype")
+        return [f"{name}: {getattr(self, name)} vs {getattr(other, name)}"
+                for name in fields if getattr(self, name) != getattr(other, name)]
+
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, fixed separators): equal configs give equal text."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, indent=2) + "\n"

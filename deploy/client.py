@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from deploy import trace as trace_mod
-from deploy.runtime.schema import ENSEMBLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, RETRYABLE, RankingRequest
 
 
 ROUTE_HEADER = "x-user-id"
@@ -58,10 +58,13 @@ class RankingClient:
     """One connection (one gRPC stream, or HTTP keep-alive) sending one request at a time."""
 
     def __init__(self, url: str, model: str = ENSEMBLE, http: bool = False, timeout_s: float = 60.0,
-                 headers: dict[str, str] | None = None, route_header: str | None = None):
+                 headers: dict[str, str] | None = None, route_header: str | None = None, retries: int = 2):
         """`route_header`: a header name (e.g. "x-user-id") that carries each request's user id
-        (gRPC: the stream is reopened with it whenever the user changes)."""
+        (gRPC: the stream is reopened with it whenever the user changes). `retries`: how often a
+        request whose error is marked retryable is resent."""
         self.url, self.model, self.http, self.timeout_s = url, model, http, timeout_s
+        self.retries = retries
+        self.retried = 0  # requests resent after a retryable error
         self.headers = headers or {}
         self.route_header = route_header
         self._responses: queue.Queue = queue.Queue()
@@ -76,8 +79,17 @@ class RankingClient:
                 self._open_stream(self.headers)  # else on the first request, with its user's header
 
     def score(self, request: RankingRequest) -> np.ndarray:
-        """Scores [c, num_tasks] for one request; raises RequestFailed on a server error."""
-        return self._score_http(request) if self.http else self._score_grpc(request)
+        """Scores [c, num_tasks] for one request; raises RequestFailed on a server error. An
+        error the server marks retryable (a model version changed while the request was in
+        flight) is resent, up to `retries` times."""
+        for attempt in range(self.retries + 1):
+            try:
+                return self._score_http(request) if self.http else self._score_grpc(request)
+            except RequestFailed as e:
+                if RETRYABLE not in str(e) or attempt == self.retries:
+                    raise
+                self.retried += 1
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if not self.http:

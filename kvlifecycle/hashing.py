@@ -19,6 +19,8 @@ Python's builtin ``hash()`` is never used: it is salted per process.
 Operations:
 - ``page_keys(token_ids, namespace, page_size)``: keys of every full page of a prefix.
 - ``chain_key(parent, page_tokens, namespace)``: one step of the chain.
+- ``namespace_tag(namespace)``: the namespace as one int64, for a tensor that carries a lease's
+  namespace between processes (the compute checks it against its own).
 Both the device page table (``kvlifecycle.manager``) and the host store key pages with these
 functions, so a key means the same page everywhere.
 """
@@ -35,7 +37,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "TokenIds", "chain_key", "page_keys", "tokens_as_int64"]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "TokenIds", "chain_key", "namespace_tag", "page_keys", "tokens_as_int64"]
 
 KEY_BYTES = 16
 SEED = b"kvlifecycle.page-chain.v1"
@@ -96,3 +98,10 @@ def _chain(parent: bytes, ns_prefixed: bytes, page_bytes: bytes) -> bytes:
     h.update(ns_prefixed)
     h.update(page_bytes)
     return h.digest()
+
+
+def namespace_tag(namespace: str) -> int:
+    """A non-negative int64 naming ``namespace``: 60 bits of its BLAKE2b digest (two namespaces
+    share a tag with probability 2**-60)."""
+    digest = hashlib.blake2b(namespace.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 4

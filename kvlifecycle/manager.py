@@ -144,6 +144,14 @@ class KVCacheManager:
         the following full pages. Never raises for the store (errors count as a miss)."""
         return self.lookup_many([(user_id, token_ids)])[0]
 
+    def use_namespace(self, namespace: str) -> None:
+        """Look up and make leases in ``namespace`` from now on (a new model version serves).
+        Leases already made keep theirs; the old namespace's pages are never found again and age
+        out of the pool through the LRU."""
+        if not namespace:
+            raise ValueError("KVCacheManager.use_namespace: expected a non-empty model fingerprint, got ''")
+        self.namespace = namespace
+
     def lookup_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[LookupResult]:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
         the host store is asked (one ``get_match`` each: its API matches one sequence) only for

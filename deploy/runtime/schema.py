@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Ends the message of an error the client may resend unchanged: nothing about the request was
+# wrong and it changed no state (a new hstu_compute version loaded while it was in flight).
+RETRYABLE = "[retryable]"
+
 ENSEMBLE = "hstu_ranking"
 MONOLITHIC = "hstu_monolithic"
 LOOKUP = "kv_lookup_alloc"
@@ -53,6 +57,7 @@ LOOKUP_OUTPUTS = (
     TensorSpec("cached_len", "INT64", (1,)),  # tokens already in the pool (page multiple)
     TensorSpec("page_row", "INT64", (-1,), ragged=True),  # pages covering cached + new tokens
     TensorSpec("candidates", "INT64", (-1,), ragged=True),
+    TensorSpec("namespace_tag", "INT64", (1,)),  # the lease's KV namespace (hashing.namespace_tag)
     TensorSpec("lease_id", "INT64", (1,)),  # the request's lease in the owner; also read by kv_offload
 )
 LEASE_ID = LOOKUP_OUTPUTS[-1]

@@ -108,6 +108,11 @@ class ServingSettings:
         """Where kv_lookup_alloc publishes the page pool's handle for the other models."""
         return self.run_dir / "pool.json"
 
+    @property
+    def compute_version_path(self) -> Path:
+        """Where each hstu_compute version publishes its version and KV namespace when it loads."""
+        return self.run_dir / "compute_version.json"
+
     def prepare_run_dir(self) -> Path:
         """Create run_dir with mode 0700, or check that an existing one is a directory (not a
         symlink) of this user that nobody else can enter. Models load in parallel: whichever

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import triton_python_backend_utils as pb_utils
 
+from deploy.runtime.schema import RETRYABLE
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,8 +35,14 @@ def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
 
 
-def error_response(message: str) -> "pb_utils.InferenceResponse":
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def error_response(message: str, retryable: bool = False) -> "pb_utils.InferenceResponse":
+    """An error for one request. `retryable`: nothing about the request is wrong and it changed
+    no state, so resending it succeeds (code UNAVAILABLE, message ending in RETRYABLE)."""
+    if retryable:
+        error = pb_utils.TritonError(f"{message} {RETRYABLE}", pb_utils.TritonError.UNAVAILABLE)
+    else:
+        error = pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
 @dataclass

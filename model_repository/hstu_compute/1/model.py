@@ -6,23 +6,45 @@ Triton. The package reads each user's cached prefix from the shared page pool an
 tokens' KV into it. If the batch fails, each request is retried alone so one bad request fails
 alone; a failed request's lease is aborted so its pages return at once. It answers with the
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
+
+Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
+AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
+`HSTU_MODEL_DIR`. At load, the version publishes its KV namespace (the fingerprint of its
+weights) and kv_lookup_alloc makes new leases in it. A lease made in another namespace (in
+flight while the version changed) is refused: its cached prefix holds KV other weights computed.
+It is aborted and answered with a retryable error, which the project's clients resend.
 """
 import logging
+import os
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute import PagedBatch, load_compiled, plan_sub_batches
-from deploy.runtime import pool_handle
+from compute import HSTUConfig, PagedBatch, fingerprint, load_compiled, plan_sub_batches
+from compute.config import CONFIG_FILENAME
+from deploy.runtime import published
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient
+from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
 
 logger = logging.getLogger("hstu_compute")
 
+
+class ComputeRequest(NamedTuple):
+    """One request's inputs from kv_lookup_alloc."""
+
+    new_tokens: torch.Tensor  # int64 [n]: history tokens from cached_len on
+    cached_len: int
+    page_row: torch.Tensor  # int64 [pages]
+    candidates: torch.Tensor  # int64 [c]
+    namespace_tag: int  # the lease's KV namespace
+    lease_id: int
 
 
 class TritonPythonModel:
@@ -30,20 +52,37 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.device = torch.device(self.settings.device)
-        self.run = load_compiled(self.settings.model_dir, self.settings.device)
+        self.version = args["model_version"]
+        self.model_dir = self._model_dir(Path(args["model_repository"]) / self.version)
+        self.run = load_compiled(self.model_dir, self.settings.device)
+        self.namespace = fingerprint(self.model_dir)
+        self.namespace_tag = namespace_tag(self.namespace)
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
-        self.published_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
+        self.published_pool = published.pool_handle_file(self.settings)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], stage_keys("compute"), source=self.stages.stats)
+        published.publish(self.settings.compute_version_path, {
+            "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
+            "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file
+        })
+        logger.info("hstu_compute version %s: model %s, KV namespace %s", self.version, self.model_dir,
+                    self.namespace[:12])
 
     def execute(self, requests):
         pool = self._attach_pool()
         parsed = [self._parse(r) for r in requests]
-        good = [i for i, p in enumerate(parsed) if not isinstance(p, str)]
         responses = [error_response(p) if isinstance(p, str) else None for p in parsed]
+        for i, p in enumerate(parsed):
+            if isinstance(p, ComputeRequest) and p.namespace_tag != self.namespace_tag:
+                self._abort(p.lease_id)
+                responses[i] = error_response(
+                    f"hstu_compute: lease {p.lease_id} was made for another model version's KV (this is version "
+                    f"{self.version}; a rollout happened while the request was in flight)", retryable=True)
+        good = [i for i, r in enumerate(responses) if r is None]
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
-        shapes = [(parsed[i][0].numel() + parsed[i][3].numel(), parsed[i][1] + parsed[i][0].numel()) for i in good]
+        shapes = [(parsed[i].new_tokens.numel() + parsed[i].candidates.numel(),
+                   parsed[i].cached_len + parsed[i].new_tokens.numel()) for i in good]
         for group in plan_sub_batches(shapes):
             members = [good[j] for j in group]
             started = time.perf_counter()
@@ -66,32 +105,47 @@ class TritonPythonModel:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _parse(self, request):
-        """(new_tokens, cached_len, page_row, candidates, lease_id) or an error message."""
+    def _model_dir(self, version_dir: Path) -> Path:
+        """The version folder if it holds a model, else HSTU_MODEL_DIR. A version must keep the
+        owner's request limits and KV geometry (one pool and one validation serve all)."""
+        if not (version_dir / CONFIG_FILENAME).exists():
+            return self.settings.model_dir
+        mismatch = HSTUConfig.load(self.settings.model_dir).serving_mismatch(HSTUConfig.load(version_dir))
+        if mismatch:
+            raise ValueError(f"hstu_compute version {self.version}: {version_dir / CONFIG_FILENAME} differs from "
+                             f"the serving config {self.settings.model_dir / CONFIG_FILENAME} in "
+                             f"{'; '.join(mismatch)}: a new version may change weights and width, not the request "
+                             "limits or the KV geometry; restart the server with the new HSTU_MODEL_DIR instead")
+        return version_dir
+
+    def _parse(self, request) -> ComputeRequest | str:
+        """The request's inputs, or an error message."""
         try:
-            new_tokens = input_tensor(request, "new_tokens").reshape(-1)
-            cached_len = int(input_tensor(request, "cached_len").reshape(-1)[0])
-            page_row = input_tensor(request, "page_row").reshape(-1)
-            candidates = input_tensor(request, "candidates").reshape(-1)
-            lease_id = int(input_tensor(request, "lease_id").reshape(-1)[0])
+            scalar = lambda name: int(input_tensor(request, name).reshape(-1)[0])  # noqa: E731
+            return ComputeRequest(
+                new_tokens=input_tensor(request, "new_tokens").reshape(-1),
+                cached_len=scalar("cached_len"),
+                page_row=input_tensor(request, "page_row").reshape(-1),
+                candidates=input_tensor(request, "candidates").reshape(-1),
+                namespace_tag=scalar("namespace_tag"),
+                lease_id=scalar("lease_id"),
+            )
         except Exception as e:
             return f"hstu_compute: malformed request: {e}"
-        return new_tokens, cached_len, page_row, candidates, lease_id
 
-    def _score(self, pool: PagePool, items) -> list:
-        batch = PagedBatch.from_requests([(t, c, p, cand) for t, c, p, cand, _ in items])
+    def _score(self, pool: PagePool, items: list[ComputeRequest]) -> list[torch.Tensor]:
+        batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])
         scores = self.run(pool.tensor, batch)  # [sum c, num_tasks]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # KV written before kv_offload commits it
-        sizes = [int(item[3].numel()) for item in items]
-        return list(torch.split(scores, sizes))
+        return list(torch.split(scores, [int(r.candidates.numel()) for r in items]))
 
-    def _score_alone(self, pool: PagePool, item):
+    def _score_alone(self, pool: PagePool, item: ComputeRequest):
         try:
             return self._response(self._score(pool, [item])[0])
         except Exception as e:
-            logger.error("hstu_compute failed on lease %d", item[4], exc_info=True)
-            self._abort(item[4])  # its pages return now, not at lease expiry
+            logger.error("hstu_compute failed on lease %d", item.lease_id, exc_info=True)
+            self._abort(item.lease_id)  # its pages return now, not at lease expiry
             return error_response(f"hstu_compute: {e}")
 
     def _response(self, scores: torch.Tensor):

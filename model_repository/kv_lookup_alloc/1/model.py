@@ -11,18 +11,20 @@ are fixed here, once, and travel with its lease. A bad request or an exhausted p
 error response for that request only and changes no cache state.
 """
 import logging
+import os
 import time
 
 import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
-from deploy.runtime import pool_handle
+from deploy.runtime import published
 from deploy.runtime.cache_owner import open_kv_cache
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
+from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.leases import Lease
 from kvlifecycle.page_table import PoolExhausted
 
@@ -40,7 +42,8 @@ class TritonPythonModel:
                            "so a history evicted from the page pool is recomputed. For the host tier, run "
                            "hstu-serve, or start the store and set HSTU_STORE=embedded as `hstu-serve --print-env` "
                            "prints", self.settings.store)
-        pool_handle.publish(self.settings.pool_handle_path, self.cache.handle)
+        published.publish(self.settings.pool_handle_path, self.cache.handle)
+        self.compute_version = published.compute_version_file(self.settings)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], OWNER_KEYS + stage_keys("lookup", "allocate", "onboard"),
@@ -49,6 +52,7 @@ class TritonPythonModel:
                     self.settings.store, self.settings.control_endpoint)
 
     def execute(self, requests):
+        self._follow_compute_version()
         responses = [None] * len(requests)
         parsed = {}  # request index -> (inputs, history tokens)
         for i, request in enumerate(requests):
@@ -75,9 +79,21 @@ class TritonPythonModel:
         self.metrics.close()
         self.control.close()
         self.cache.close()
-        pool_handle.unpublish(self.settings.pool_handle_path)
+        published.unpublish(self.settings.pool_handle_path)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _follow_compute_version(self) -> None:
+        """New leases are made in the namespace of the hstu_compute version that loaded last (a
+        rollout): the lease carries it to hstu_compute, which refuses a lease of another one."""
+        version = self.compute_version.poll()
+        if version is None or version["server_pid"] != os.getppid():  # none yet, or a previous server's
+            return
+        if version["namespace"] != self.cache.manager.namespace:
+            logger.info("kv_lookup_alloc: hstu_compute version %s serves (KV namespace %s, was %s); new leases "
+                        "use it, and the old namespace's pages age out of the pool", version["version"],
+                        version["namespace"][:12], self.cache.manager.namespace[:12])
+            self.cache.manager.use_namespace(version["namespace"])
 
     def _serve(self, batch: list[tuple[RankingInputs, torch.Tensor]]) -> list:
         """A response for each (inputs, tokens): lookup, allocate and onboard the whole batch."""
@@ -124,5 +140,6 @@ class TritonPythonModel:
             output_tensor("cached_len", row([cached_len])),
             output_tensor("page_row", row(lease.page_row)),
             output_tensor("candidates", row(r.candidate_ids)),
+            output_tensor("namespace_tag", row([namespace_tag(lease.namespace)])),
             output_tensor("lease_id", row([lease.lease_id])),
         ])

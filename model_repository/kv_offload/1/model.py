@@ -17,7 +17,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, history_tokens
-from deploy.runtime import pool_handle
+from deploy.runtime import published
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.control = ControlClient(self.settings.control_endpoint)
         spec = pool_spec(self.config, self.settings)
         self.store = open_store_client(self.settings, spec.page_size)
-        self.owner_pool = pool_handle.PublishedHandle(self.settings.pool_handle_path)
+        self.owner_pool = published.pool_handle_file(self.settings)
         self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size)
         self.worker.start()
         self.stages = StageTimer()

@@ -26,7 +26,6 @@ class InjectedFault(RuntimeError):
 class TritonPythonModel(_real.TritonPythonModel):
     def _score(self, pool, items):
         for i, item in enumerate(items):
-            candidates = item[3]
-            if bool((candidates == FAULT_CANDIDATE).any()):
+            if bool((item.candidates == FAULT_CANDIDATE).any()):
                 raise InjectedFault(f"injected fault (test): candidate {FAULT_CANDIDATE} in request {i} of the batch")
         return super()._score(pool, items)
