@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
-from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, _tail, _terminate, _wait_for,
+from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, log_tail, _terminate, _wait_for,
                              build_model, wait_until_ready)
 from deploy.runtime.settings import REPO_ROOT
 from deploy.serving_options import add_serving_options, serving_settings
@@ -211,7 +211,7 @@ class Cluster:
         _wait_for(lambda: self.node.poll() is not None or b"ready" in log_path.read_bytes(), 60,
                   "the mooncake memory node")
         if self.node.poll() is not None:
-            raise RuntimeError(f"mooncake memory node exited with {self.node.returncode}:\n{_tail(log_path)}")
+            raise RuntimeError(f"mooncake memory node exited with {self.node.returncode}:\n{log_tail(log_path)}")
         logger.info("mooncake memory node pid %d (%d bytes)", self.node.pid, self.config.segment_bytes)
 
     def _start_servers(self) -> None:
@@ -252,7 +252,7 @@ class Cluster:
         def check_alive() -> None:
             if self.nginx.poll() is not None:
                 raise RuntimeError(f"nginx exited with {self.nginx.returncode}:\n"
-                                   f"{_tail(self.nginx_dir / 'error.log')}")
+                                   f"{log_tail(self.nginx_dir / 'error.log')}")
 
         if not wait_until_ready(url, self.config.ready_timeout_s, check_alive, interval_s=0.2):
             raise TimeoutError(f"{ENSEMBLE} not ready through the proxy after {self.config.ready_timeout_s:.0f}s")
@@ -303,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(1.0):
             for i in set(cluster.watch()) - dead:
                 logger.error("server %d exited; its users go to the others:\n%s", i,
-                             _tail(cluster.servers[i].triton_log))
+                             log_tail(cluster.servers[i].triton_log))
                 dead.add(i)
             if cluster.nginx is not None and cluster.nginx.poll() is not None:
                 logger.error("nginx exited with %s:\n%s", cluster.nginx.returncode,
-                             _tail(cluster.nginx_dir / "error.log"))
+                             log_tail(cluster.nginx_dir / "error.log"))
                 return 1
             if len(dead) == len(cluster.servers):
                 return 1

@@ -188,7 +188,7 @@ class Server:
                                       start_new_session=True, preexec_fn=_die_with_parent)
         _wait_for(lambda: sock.exists() or self.store.poll() is not None, 30, "host store socket")
         if self.store.poll() is not None:
-            raise RuntimeError(f"host store exited with {self.store.returncode}:\n{_tail(self.store_log)}")
+            raise RuntimeError(f"host store exited with {self.store.returncode}:\n{log_tail(self.store_log)}")
         logger.info("host store pid %d on %s", self.store.pid, self.settings.store_socket)
 
     def stop_store(self) -> None:
@@ -310,17 +310,17 @@ class Server:
         def check_alive() -> None:
             if self.triton.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.triton.returncode} before "
-                                   f"{ENSEMBLE} was ready; log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+                                   f"{ENSEMBLE} was ready; log tail ({self.triton_log}):\n{log_tail(self.triton_log)}")
             if self.front is not None and self.front.poll() is not None:
                 log = self.nginx_dir / "error.log"
                 raise RuntimeError(f"nginx exited with {self.front.returncode} before {ENSEMBLE} was ready; "
-                                   f"log tail ({log}):\n{_tail(log)}")
+                                   f"log tail ({log}):\n{log_tail(log)}")
 
         if wait_until_ready(url, self.config.ready_timeout_s, check_alive):
             logger.info("%s ready", ENSEMBLE)
             return
         raise TimeoutError(f"{ENSEMBLE} not ready after {self.config.ready_timeout_s:.0f}s; "
-                           f"log tail ({self.triton_log}):\n{_tail(self.triton_log)}")
+                           f"log tail ({self.triton_log}):\n{log_tail(self.triton_log)}")
 
 
 def wait_until_ready(url: str, timeout_s: float, check_alive: Callable[[], None], interval_s: float = 0.5) -> bool:
@@ -437,7 +437,8 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file, for an error message."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             code = server.watch()
             if code is not None:
                 name, log = server.exited
-                logger.error("%s exited with %s; log tail (%s):\n%s", name, code, log, _tail(log))
+                logger.error("%s exited with %s; log tail (%s):\n%s", name, code, log, log_tail(log))
                 break
         return 0 if code is None else 1
     finally:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from deploy.client import RankingClient, RequestFailed
-from deploy.launcher import Server
+from deploy.launcher import Server, log_tail
 from deploy.runtime.schema import RankingRequest
 from tests.helpers import metric
 from tests.reliability.conftest import FAULT_CANDIDATE, LOOKUP, check_scores, settled_kv_metrics, wait_drained
@@ -104,6 +104,9 @@ def test_soak_five_minutes_at_concurrency_16(fault_server: Server, reference) ->
     rss["warm"] = serving_rss(fault_server)
     for t in threads:
         t.join(max(1.0, end - time.monotonic()) + 150)
+    assert fault_server.triton.poll() is None, (
+        f"tritonserver exited with {fault_server.triton.returncode} during the soak ({served[0]} requests served, "
+        f"{len(errors)} failed, e.g. {errors[:2]}); its log ends:\n{log_tail(fault_server.triton_log, 30)}")
     assert not any(t.is_alive() for t in threads), "a soak client hung"
     wall = time.monotonic() - start
 
