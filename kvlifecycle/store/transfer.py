@@ -47,8 +47,7 @@ class PageCopier:
         """Offload: ``out[rows[i]] = pool[:, pool_pages[i]]`` for every i."""
         if len(pool_pages) == 0:
             return
-        pages = torch.from_numpy(np.array(pool_pages, dtype=np.int64))  # a copy: frames are read-only
-        host_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
+        pages, host_rows = _index_tensors(pool_pages, rows)
         if not self._cuda:
             staged = self.pool.index_select(1, pages)  # [L, n, 2, S, H, D]
             out.index_copy_(0, host_rows, staged.transpose(0, 1))  # rows of [n, L, 2, S, H, D]
@@ -67,8 +66,7 @@ class PageCopier:
         """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i."""
         if len(pool_pages) == 0:
             return
-        pages = torch.from_numpy(np.array(pool_pages, dtype=np.int64))  # a copy: frames are read-only
-        host_rows = torch.from_numpy(np.array(rows, dtype=np.int64))
+        pages, host_rows = _index_tensors(pool_pages, rows)
         if not self._cuda:
             staged = src.index_select(0, host_rows)  # [n, L, 2, S, H, D]
             self.pool.index_copy_(1, pages, staged.transpose(0, 1))
@@ -88,6 +86,11 @@ class PageCopier:
 
 # ---------------------------------------------------------------------------------------
 # helpers
+
+
+def _index_tensors(pool_pages: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 CPU tensors of the pool pages and the host rows, copied (RPC frames are read-only)."""
+    return torch.from_numpy(np.array(pool_pages, dtype=np.int64)), torch.from_numpy(np.array(rows, dtype=np.int64))
 
 
 def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
