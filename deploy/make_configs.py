@@ -46,11 +46,22 @@ def _dynamic_batching(queue_delay_us: int) -> str:
     return f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
 
 
-def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64,
-           queue_delay_us: int = 0) -> dict[str, str]:
-    """config.pbtxt text of every model, keyed by model name. The ensemble's three steps all
-    batch (`max_batch_size`, `queue_delay_us`); see deploy/runtime/schema.py for why the
-    unbatched ensemble can feed them."""
+# kv_lookup_alloc and kv_offload take one request per execute by default, although their code
+# serves a batch of any size: with more, tritonserver 2.51's Python backend corrupted memory under
+# sustained load (an input read with 2**32 added at a fixed offset, and once a segfault in
+# TRITONBACKEND_RequestRelease), about once in 40,000 requests on the CPU machine at 48 streams:
+# 5 in 363,000 requests batched, 0 in 84,000 with one request per execute, and 0 in the soak's
+# runs before these steps batched. hstu_compute batched throughout. Raise it with
+# `--lifecycle-max-batch-size` on a Triton whose Python backend is fixed.
+LIFECYCLE_MAX_BATCH_SIZE = 1
+
+
+def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_delay_us: int = 0,
+           lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE) -> dict[str, str]:
+    """config.pbtxt text of every model, keyed by model name. The ensemble's three steps are
+    batched models (`queue_delay_us`); hstu_compute takes up to `max_batch_size` requests per
+    execute, kv_lookup_alloc and kv_offload up to `lifecycle_max_batch_size` (see
+    LIFECYCLE_MAX_BATCH_SIZE). deploy/runtime/schema.py says why the unbatched ensemble can feed them."""
     scores = schema.scores_spec(num_tasks)
     compute_out = schema.compute_outputs(num_tasks)
     gpu_kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
@@ -58,8 +69,8 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64,
 
     configs[schema.LOOKUP] = (
         # Batched: one execute looks up, allocates and onboards every queued request with one
-        # table lock per step and one store wait.
-        _python_model(schema.LOOKUP, max_batch_size)
+        # table lock per step and one store wait (up to lifecycle_max_batch_size of them).
+        _python_model(schema.LOOKUP, lifecycle_max_batch_size)
         + _io("input", schema.ENSEMBLE_INPUTS, batched=True)
         + _io("output", schema.LOOKUP_OUTPUTS, batched=True)
         + _dynamic_batching(queue_delay_us)
@@ -78,7 +89,7 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64,
         # offload runs on a background thread after `execute` returns the scores, so nothing is
         # gained from a decoupled sender, whose every send costs a synchronous round trip to
         # the server (about 1.7 ms on the CPU machine).
-        _python_model(schema.OFFLOAD, max_batch_size)
+        _python_model(schema.OFFLOAD, lifecycle_max_batch_size)
         + _io("input", (*compute_out, schema.LEASE_ID, *schema.OFFLOAD_HISTORY_INPUTS), batched=True)
         + _io("output", (scores,), batched=True)
         + _dynamic_batching(queue_delay_us)
@@ -137,8 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--queue-delay-us", type=int, default=0)
+    p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
+                   help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s: see "
+                        "LIFECYCLE_MAX_BATCH_SIZE in this file before raising it)")
     a = p.parse_args(argv)
-    write(a.repository, render(num_tasks_of(a.model_dir), a.device, a.max_batch_size, a.queue_delay_us))
+    write(a.repository, render(num_tasks_of(a.model_dir), a.device, a.max_batch_size, a.queue_delay_us,
+                               a.lifecycle_max_batch_size))
 
 
 if __name__ == "__main__":

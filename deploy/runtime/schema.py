@@ -10,7 +10,8 @@ by the models' request validators and by the clients. The public interface is th
       kv_offload      (batched): COMPUTE_OUTPUTS + kv_lookup_alloc's lease_id + item/action ids -> scores
     client -> hstu_monolithic: ENSEMBLE_INPUTS -> scores in one call
 
-The three steps are batched (max_batch_size > 0, dynamic batching, ragged inputs) although the
+The three steps are batched models (max_batch_size > 0, dynamic batching, ragged inputs; the
+lifecycle steps take one request per execute by default, see deploy/make_configs.py) although the
 ensemble is not: Triton gives a batched step each request of the unbatched ensemble as a batch
 of one (a leading dimension of 1 on every tensor) and strips that dimension from the step's
 outputs that the ensemble returns, so the public shapes stay as they are.
