@@ -1,0 +1,99 @@
+"""Stress: many streams against one server for a while; counts failed requests and a crash.
+
+It is how the Python-backend memory corruption behind `LIFECYCLE_MAX_BATCH_SIZE`
+(deploy/make_configs.py) was measured, and how to check a Triton upgrade before raising it:
+
+    python -m tests.reliability.stress --seconds 240 --concurrency 48 --lifecycle-max-batch-size 64
+
+The server serves the real models from a repository whose configs are rendered with the given
+lifecycle batch size, over the soak's pool (384 pages) and users (tests/reliability/test_soak.py),
+so host hits, evictions and offloads all run. Every 10 s it prints the requests served and
+failed; at the end one JSON line (requests, failures with examples, whether tritonserver died).
+Exit code 1 when a request failed or the server died. A request on this workload never fails
+for a reason of its own: every failure is a defect.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from deploy import make_configs
+from deploy.client import RankingClient, RequestFailed
+from deploy.launcher import build_model, log_tail
+from deploy.runtime.settings import DEFAULT_MODEL_DIR
+from tests.conftest import LocalServer, launch_config
+from tests.reliability.conftest import FAULT_POOL_PAGES, REAL_REPOSITORY
+from tests.reliability.test_soak import Users
+
+
+def stress_repository(root: Path, lifecycle_max_batch_size: int) -> Path:
+    """The real models' version folders (linked) under configs rendered for this batch size."""
+    repository = root / "stress_repository"
+    configs = make_configs.render(make_configs.num_tasks_of(DEFAULT_MODEL_DIR),
+                                  lifecycle_max_batch_size=lifecycle_max_batch_size)
+    for name, text in configs.items():
+        (repository / name).mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(text)
+        version = REAL_REPOSITORY / name / "1"
+        if version.is_dir():
+            (repository / name / "1").symlink_to(version)
+    return repository
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=240.0)
+    p.add_argument("--concurrency", type=int, default=48)
+    p.add_argument("--lifecycle-max-batch-size", type=int, default=make_configs.LIFECYCLE_MAX_BATCH_SIZE)
+    p.add_argument("--seed", type=int, default=int(time.time()))
+    a = p.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
+    server = LocalServer(launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
+                                       store_dram_bytes=512 << 20,
+                                       model_repository=stress_repository(root, a.lifecycle_max_batch_size)))
+    build_model(server.settings.model_dir, server.settings.device)
+    server.start()
+    users = Users(seed=a.seed)
+    end = time.monotonic() + a.seconds
+    lock = threading.Lock()
+    served, failures = [0], []
+
+    def client_loop() -> None:
+        with RankingClient(server.grpc_url, timeout_s=60) as client:
+            while time.monotonic() < end and server.triton.poll() is None:
+                try:
+                    client.score(users.next())
+                    with lock:
+                        served[0] += 1
+                except (RequestFailed, TimeoutError) as e:
+                    with lock:
+                        failures.append(f"{type(e).__name__}: {str(e)[:300]}")
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(a.concurrency)]
+    started = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(10)
+            print(f"{time.monotonic() - started:.0f}s: {served[0]} served, {len(failures)} failed", flush=True)
+        crashed = server.triton.poll() is not None
+        result = {"lifecycle_max_batch_size": a.lifecycle_max_batch_size, "concurrency": a.concurrency,
+                  "seconds": round(time.monotonic() - started, 1), "requests": served[0] + len(failures),
+                  "failed": len(failures), "failures": failures[:5], "tritonserver_died": crashed}
+        if crashed:
+            result["log_tail"] = log_tail(server.triton_log, 30)
+        print(json.dumps(result))
+        return 1 if failures or crashed else 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
