@@ -19,6 +19,8 @@
   kv_lookup_alloc answered the ones before it, so hstu_compute queues them in that order;
   `could_run_alone(batch_sizes, position)` reads Triton's batch statistics of such a run.
 - `Load(url, requests, concurrency)`: background closed-loop load with progress, for faults mid-load.
+- `Users` and `EndlessLoad(url, users, concurrency)`: endless requests of many users with growing
+  histories, sent by closed-loop clients until `stop()` (the soak, the rollout, `stress.py`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +40,7 @@ import numpy as np
 import pytest
 
 from compute import HSTUConfig
-from deploy.client import RankingClient
+from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server, build_model
 from deploy.runtime.schema import COMPUTE, RankingRequest
 from kvlifecycle.control import ControlClient
@@ -394,3 +397,91 @@ def register_pool(server: Server, timeout_s: float = 120.0) -> None:
 
 def store_errors(server: Server) -> float:
     return metric(server, "hstu_kv_store_errors_total")
+
+
+class Users:
+    """Endless requests: `num_users` users, picked uniformly, each history growing by 1..8 events
+    per request from a lognormal start (median 40 events); a user reaching `max_events` starts
+    over as a new user. Thread-safe."""
+
+    def __init__(self, seed: int = 21, num_users: int = 600, max_events: int = 120):
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._histories: dict[int, tuple[list[int], list[int]]] = {}
+        self._ids = list(range(1_000_000, 1_000_000 + num_users))
+        self._max_events = max_events
+
+    def next(self) -> RankingRequest:
+        with self._lock:
+            rng = self._rng
+            slot = int(rng.integers(len(self._ids)))
+            user = self._ids[slot]
+            items, actions = self._histories.get(user, ([], []))
+            grow = int(rng.lognormal(np.log(40), 0.5)) if not items else int(rng.integers(1, 9))
+            if len(items) + grow > self._max_events:
+                user = self._ids[slot] = user + len(self._ids)  # a new user takes the slot
+                items, actions = [], []
+                grow = int(rng.integers(1, 60))
+            items = items + rng.integers(1, 100_000, grow).tolist()
+            actions = actions + rng.integers(0, 16, grow).tolist()
+            self._histories[user] = (items, actions)
+            candidates = [c for c in rng.integers(1, 100_000, int(rng.integers(8, 48))).tolist() if c != FAULT_CANDIDATE]
+            return RankingRequest(user, items, actions, candidates)
+
+
+@dataclass
+class Served:
+    sent_at: float  # time.monotonic() when the request went out
+    request: RankingRequest
+    scores: np.ndarray
+
+
+class EndlessLoad:
+    """`concurrency` closed-loop clients sending `users.next()` until `stop()`. `count` counts the
+    answered requests; `served` keeps the answers `keep(count)` selects (all by default);
+    `errors` the failures; `retried` the requests resent after a retryable error."""
+
+    def __init__(self, url: str, users: Users, concurrency: int, keep: Callable[[int], bool] = lambda n: True,
+                 timeout_s: float = 120.0):
+        self.count, self.retried = 0, 0
+        self.served: list[Served] = []
+        self.errors: list[str] = []
+        self._users, self._keep = users, keep
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._worker, args=(url, timeout_s), daemon=True)
+                         for _ in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def join(self, timeout_s: float = 150.0) -> None:
+        """Stop and wait for every client; AssertionError when one hung (a request never answered)."""
+        self.stop()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not self.running(), f"a load client hung ({self.count} answered, {len(self.errors)} failed)"
+
+    def _worker(self, url: str, timeout_s: float) -> None:
+        with RankingClient(url, timeout_s=timeout_s) as client:
+            while not self._stop.is_set():
+                request = self._users.next()
+                sent = time.monotonic()
+                try:
+                    scores = client.score(request)
+                except (RequestFailed, TimeoutError) as e:
+                    with self._lock:
+                        self.errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                with self._lock:
+                    self.count += 1
+                    if self._keep(self.count):
+                        self.served.append(Served(sent, request, scores))
+            with self._lock:
+                self.retried += client.retried

@@ -18,17 +18,14 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from deploy import make_configs
-from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import build_model, log_tail
 from deploy.runtime.settings import DEFAULT_MODEL_DIR
 from tests.conftest import LocalServer, launch_config
-from tests.reliability.conftest import FAULT_POOL_PAGES, REAL_REPOSITORY
-from tests.reliability.test_soak import Users
+from tests.reliability.conftest import FAULT_POOL_PAGES, REAL_REPOSITORY, EndlessLoad, Users
 
 
 def stress_repository(root: Path, lifecycle_max_batch_size: int) -> Path:
@@ -59,38 +56,24 @@ def main(argv: list[str] | None = None) -> int:
                                        model_repository=stress_repository(root, a.lifecycle_max_batch_size)))
     build_model(server.settings.model_dir, server.settings.device)
     server.start()
-    users = Users(seed=a.seed)
-    end = time.monotonic() + a.seconds
-    lock = threading.Lock()
-    served, failures = [0], []
-
-    def client_loop() -> None:
-        with RankingClient(server.grpc_url, timeout_s=60) as client:
-            while time.monotonic() < end and server.triton.poll() is None:
-                try:
-                    client.score(users.next())
-                    with lock:
-                        served[0] += 1
-                except (RequestFailed, TimeoutError) as e:
-                    with lock:
-                        failures.append(f"{type(e).__name__}: {str(e)[:300]}")
-
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(a.concurrency)]
     started = time.monotonic()
+    load = EndlessLoad(server.grpc_url, Users(seed=a.seed), a.concurrency, keep=lambda n: False, timeout_s=60)
     try:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
+        while time.monotonic() < started + a.seconds and server.triton.poll() is None:
             time.sleep(10)
-            print(f"{time.monotonic() - started:.0f}s: {served[0]} served, {len(failures)} failed", flush=True)
+            print(f"{time.monotonic() - started:.0f}s: {load.count} served, {len(load.errors)} failed", flush=True)
         crashed = server.triton.poll() is not None
+        load.stop()
+        if not crashed:
+            load.join()
         result = {"lifecycle_max_batch_size": a.lifecycle_max_batch_size, "concurrency": a.concurrency,
-                  "seconds": round(time.monotonic() - started, 1), "requests": served[0] + len(failures),
-                  "failed": len(failures), "failures": failures[:5], "tritonserver_died": crashed}
+                  "seconds": round(time.monotonic() - started, 1), "requests": load.count + len(load.errors),
+                  "failed": len(load.errors), "failures": [e[:300] for e in load.errors[:5]],
+                  "tritonserver_died": crashed}
         if crashed:
             result["log_tail"] = log_tail(server.triton_log, 30)
         print(json.dumps(result))
-        return 1 if failures or crashed else 0
+        return 1 if load.errors or crashed else 0
     finally:
         server.stop()
 

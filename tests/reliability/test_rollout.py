@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,13 +26,12 @@ import pytest
 from compute import HSTUConfig
 from compute.config import CONFIG_FILENAME
 from compute.reference import ReferenceScorer
-from deploy.client import RankingClient, RequestFailed
+from deploy.client import RankingClient
 from deploy.launcher import build_model
 from deploy.runtime.schema import COMPUTE
 from tests.conftest import LocalServer, launch_config
 from tests.helpers import metric
-from tests.reliability.conftest import LOOKUP, REAL_REPOSITORY, TOLERANCE, history
-from tests.reliability.test_soak import Users
+from tests.reliability.conftest import LOOKUP, REAL_REPOSITORY, TOLERANCE, EndlessLoad, Users, history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -99,46 +97,19 @@ def test_rollout_under_load_never_serves_old_kv(tmp_path: Path, reference) -> No
         with RankingClient(server.grpc_url, timeout_s=120) as client:
             assert lookup_outcome(server, client, old) == "miss"
             assert lookup_outcome(server, client, old) == "device_hit"
-        users = Users(seed=5)
-        stop = threading.Event()
-        lock = threading.Lock()
-        served: list[tuple[float, object, np.ndarray]] = []  # (sent at, request, scores)
-        errors: list[str] = []
-        retried = [0]
-
-        def client_loop() -> None:
-            with RankingClient(server.grpc_url, timeout_s=120) as client:
-                while not stop.is_set():
-                    request = users.next()
-                    sent = time.monotonic()
-                    try:
-                        scores = client.score(request)
-                    except (RequestFailed, TimeoutError) as e:
-                        with lock:
-                            errors.append(f"{type(e).__name__}: {e}")
-                        continue
-                    with lock:
-                        served.append((sent, request, scores))
-                with lock:
-                    retried[0] += client.retried
-
-        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(CONCURRENCY)]
-        for t in threads:
-            t.start()
+        load = EndlessLoad(server.grpc_url, Users(seed=5), CONCURRENCY)
         time.sleep(BEFORE_S)
         os.rename(version_2, tmp_path / "rollout_repository" / COMPUTE / "2")
-        load = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{COMPUTE}/load", data=b"{}")
-        urllib.request.urlopen(load, timeout=300).read()
+        load_v2 = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/{COMPUTE}/load", data=b"{}")
+        urllib.request.urlopen(load_v2, timeout=300).read()
         loaded = time.monotonic()
         time.sleep(AFTER_S)
-        stop.set()
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), "a rollout client hung"
+        load.join()
 
-        assert not errors, f"{len(errors)} failed requests, e.g. {errors[:3]}"
+        assert not load.errors, f"{len(load.errors)} failed requests, e.g. {load.errors[:3]}"
         by_version = {1: 0, 2: 0}
-        for i, (sent, request, scores) in enumerate(served):
+        for i, answer in enumerate(load.served):
+            sent, request, scores = answer.sent_at, answer.request, answer.scores
             may_be_old = sent < loaded + SETTLE_S
             if may_be_old and matches(reference, request, scores):
                 by_version[1] += 1
@@ -149,8 +120,8 @@ def test_rollout_under_load_never_serves_old_kv(tmp_path: Path, reference) -> No
                             "equals neither version's reference" if may_be_old else
                             f"response {i} (user {request.user_id}) sent {sent - loaded:.2f}s after the load "
                             "returned is not version 2's")
-        print(f"rollout: {len(served)} responses, {by_version[1]} by version 1 and {by_version[2]} by version 2, "
-              f"{retried[0]} resent after a retryable error")
+        print(f"rollout: {len(load.served)} responses, {by_version[1]} by version 1 and {by_version[2]} by version 2, "
+              f"{load.retried} resent after a retryable error")
         assert by_version[1] > 0 and by_version[2] > 0
 
         # The history version 1 cached is still in the pool, but version 2 recomputes it (a

@@ -86,8 +86,13 @@ class TritonPythonModel:
     def _follow_compute_version(self) -> None:
         """New leases are made in the namespace of the hstu_compute version that loaded last (a
         rollout): the lease carries it to hstu_compute, which refuses a lease of another one."""
-        version = self.compute_version.poll()
-        if version is None or version["server_pid"] != os.getppid():  # none yet, or a previous server's
+        try:
+            version = self.compute_version.poll()
+            if version is None or version["server_pid"] != os.getppid():  # none yet, or a previous server's
+                return
+        except (OSError, ValueError, KeyError):  # a foreign or damaged file must not fail the batch
+            logger.warning("kv_lookup_alloc: cannot read %s; keeping KV namespace %s",
+                           self.settings.compute_version_path, self.cache.manager.namespace[:12], exc_info=True)
             return
         if version["namespace"] != self.cache.manager.namespace:
             logger.info("kv_lookup_alloc: hstu_compute version %s serves (KV namespace %s, was %s); new leases "
