@@ -49,8 +49,8 @@ def _dynamic_batching(queue_delay_us: int) -> str:
 # kv_lookup_alloc and kv_offload take one request per execute by default, although their code
 # serves a batch of any size: with more, tritonserver 2.51's Python backend corrupted memory under
 # sustained load (an input read with 2**32 added at a fixed offset, and once a segfault in
-# TRITONBACKEND_RequestRelease), about once in 40,000 requests on the CPU machine at 48 streams:
-# 5 in 363,000 requests batched, 0 in 84,000 with one request per execute, and 0 in the soak's
+# TRITONBACKEND_RequestRelease), about once in 70,000 requests on the CPU machine at 48 streams:
+# 5 in 363,000 requests batched, 0 in 118,000 with one request per execute, and 0 in the soak's
 # runs before these steps batched. hstu_compute batched throughout. Raise it with
 # `--lifecycle-max-batch-size` on a Triton whose Python backend is fixed.
 LIFECYCLE_MAX_BATCH_SIZE = 1
