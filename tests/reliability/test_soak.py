@@ -1,4 +1,4 @@
-"""Soak: 5 minutes (wall time) at concurrency 16 over many users with a pool far smaller than the
+"""Soak: 4 minutes (wall time, SOAK_S) at concurrency 16 over many users with a pool far smaller than the
 working set, on `fault_server` (384 pages; the users' histories need about 10x that).
 
 Checked: no request fails, not even with "pool exhausted" (16 requests of at most 8 pages lease
@@ -21,7 +21,7 @@ from tests.reliability.conftest import (LOOKUP, EndlessLoad, Users, check_scores
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SOAK_S = 300.0  # wall time of the load, warm-up included
+SOAK_S = 240.0  # wall time of the load, warm-up included (the suite must stay well under 20 minutes)
 WARMUP_S = 60.0
 CONCURRENCY = 16
 NUM_USERS = 600
@@ -41,7 +41,7 @@ def serving_rss(server: Server) -> dict[str, int]:
     return out
 
 
-def test_soak_five_minutes_at_concurrency_16(fault_server: Server, reference) -> None:
+def test_soak_at_concurrency_16(fault_server: Server, reference) -> None:
     start = time.monotonic()
     load = EndlessLoad(fault_server.grpc_url, Users(num_users=NUM_USERS, max_events=MAX_EVENTS), CONCURRENCY,
                        keep=lambda n: n % SAMPLE_EVERY == 0)
