@@ -19,7 +19,9 @@ Operations, in the order they are called:
    ``pool.tensor`` is then the same bytes as the creator's.
 4. ``pool.close()``. The creator unlinks the shared-memory file (mappings that already exist
    stay valid until their tensors are dropped); attachers only drop their reference.
-   The creator owns the memory; attachers never free it. ``close`` is idempotent.
+   The creator owns the memory; attachers never free it. ``close`` is idempotent. A CPU pool
+   whose creator died without ``close`` (SIGKILL) is unlinked by the next ``create`` on the
+   host (``sweep_orphaned_pools``): /dev/shm is RAM.
 
 Slots: token position ``p`` of a user whose pages are ``page_row`` lives in slot
 ``page_row[p // page_size] * page_size + p % page_size`` (ARCHITECTURE.md). ``slots_for_pages``
@@ -52,6 +54,7 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvlifecycle-pool-"  # then the creator's pid, "-", a random suffix
 _HANDLE_VERSION = 1
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -228,7 +231,8 @@ class PagePool:
 
     @classmethod
     def _create_shm(cls, spec: PoolSpec) -> "PagePool":
-        path = os.path.join(SHM_DIR, f"kvlifecycle-pool-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        sweep_orphaned_pools()
+        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, spec.total_bytes)  # sparse, reads as zeros
@@ -333,3 +337,34 @@ def _rebuild_cuda(ipc: dict[str, Any]) -> torch.Tensor:
         base64.b64decode(event) if event is not None else None,
         ipc["event_sync_required"],
     )
+
+
+def sweep_orphaned_pools(shm_dir: str | None = None) -> list[str]:
+    """Unlink the shared-memory pools whose creator process is gone: a creator killed with
+    SIGKILL never unlinks its pool, and /dev/shm is RAM. A pool whose creator lives (or whose
+    pid a process of another user now holds) is kept. Returns the paths removed."""
+    shm_dir = SHM_DIR if shm_dir is None else shm_dir
+    removed = []
+    for name in os.listdir(shm_dir):
+        pid = name[len(SHM_PREFIX):].split("-", 1)[0] if name.startswith(SHM_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("removed %d page pools left by processes that are gone: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

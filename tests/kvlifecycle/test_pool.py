@@ -1,10 +1,12 @@
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages, slots_for_positions
+from kvlifecycle.pool import SHM_PREFIX, PagePool, PoolSpec, slots_for_pages, slots_for_positions, sweep_orphaned_pools
 
 
 def test_attach_sees_creator_bytes_and_close_unlinks(tiny_spec):
@@ -62,3 +64,18 @@ def test_slots_for_pages(page_ids, expected):
 ])
 def test_slots_for_positions(start, end, expected):
     assert slots_for_positions([5, 1], start, end, 4).tolist() == expected
+
+
+def test_sweep_removes_only_pools_whose_creator_is_gone(tmp_path):
+    """A creator killed with SIGKILL leaves its pool in /dev/shm; the next pool created sweeps it."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(gone.stdout)  # exited and reaped: no process has this pid now (barring reuse)
+    orphan = tmp_path / f"{SHM_PREFIX}{dead_pid}-0123456789ab"
+    live = tmp_path / f"{SHM_PREFIX}{os.getpid()}-ba9876543210"
+    other = tmp_path / "triton_python_backend_shm_region_1"
+    for path in (orphan, live, other):
+        path.write_bytes(b"x")
+
+    assert sweep_orphaned_pools(str(tmp_path)) == [str(orphan)]
+    assert not orphan.exists() and live.exists() and other.exists()
