@@ -137,6 +137,11 @@ class Lease:
         return self.num_tokens - self.cached_len
 
     @property
+    def quarantined(self) -> bool:
+        """A quarantine lease: pages a timed-out store get may still write, not a request's."""
+        return self.user_id == QUARANTINE_USER
+
+    @property
     def exclusive_pages(self) -> tuple[int, ...]:
         """The pages this lease owns (LEASED to it): everything but the read-pinned prefix."""
         return self.page_row[self.num_device_pages:]
@@ -264,7 +269,7 @@ class LeaseTable:
         with self._lock:
             now = self.clock() if now is None else now
             expired = [lid for lid, lease in self._leases.items()
-                       if lease.user_id != QUARANTINE_USER and lease.expires_at <= now
+                       if not lease.quarantined and lease.expires_at <= now
                        and not lease.onboarding]
             for lid in expired:
                 logger.warning("lease %d of user %d expired; its pages return to the pool",
@@ -297,7 +302,7 @@ class LeaseTable:
         many."""
         with self._lock:
             held = [lease for lease in self._leases.values()
-                    if lease.user_id == QUARANTINE_USER and lease.store_task == in_flight]
+                    if lease.quarantined and lease.store_task == in_flight]
             for lease in held:
                 self._release(lease)
             return sum(len(lease.page_row) for lease in held)
@@ -306,7 +311,7 @@ class LeaseTable:
         """The store tasks that quarantine leases wait for, oldest first."""
         with self._lock:
             return list(dict.fromkeys(lease.store_task for lease in self._leases.values()
-                                      if lease.user_id == QUARANTINE_USER))
+                                      if lease.quarantined))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -320,9 +325,9 @@ class LeaseTable:
                 "pages_leased": self._num_leased(),
                 "pages_offload_pending": self.pages.num_offload_pinned,
                 "leases_active": sum(1 for lease in self._leases.values()
-                                     if lease.user_id != QUARANTINE_USER),
+                                     if not lease.quarantined),
                 "pages_quarantined": sum(len(lease.page_row) for lease in self._leases.values()
-                                         if lease.user_id == QUARANTINE_USER),
+                                         if lease.quarantined),
             }
             out.update(self.counters)
             return out
@@ -354,7 +359,7 @@ class LeaseTable:
         """A request's lease; None for an unknown id or a quarantine lease (callers never name
         one, and one must not be released before its store task ends)."""
         lease = self._leases.get(lease_id)
-        if lease is None or lease.user_id == QUARANTINE_USER:
+        if lease is None or lease.quarantined:
             return None
         return lease
 
@@ -482,4 +487,4 @@ class LeaseTable:
 
     def _num_leased(self) -> int:
         return sum(len(lease.exclusive_pages) for lease in self._leases.values()
-                   if lease.user_id != QUARANTINE_USER)
+                   if not lease.quarantined)

@@ -1,6 +1,6 @@
 """KVCacheManager: the owner process's KV-cache lifecycle (lookup -> allocate -> onboard ->
 compute -> commit -> offload -> offload_done). The ``Offloader`` that puts committed pages into
-the host store and reaps the puts lives in ``kvlifecycle.offload_worker`` (re-exported here).
+the host store and reaps the puts lives in ``kvlifecycle.offload_worker``.
 
 Call order for one request (ARCHITECTURE.md)::
 

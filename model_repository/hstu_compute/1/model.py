@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute import HSTUConfig, PagedBatch, fingerprint, load_compiled, plan_sub_batches
+from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
+from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
 from deploy.runtime import published
 from deploy.runtime.settings import ServingSettings
@@ -55,7 +56,9 @@ class TritonPythonModel:
         self.version = args["model_version"]
         self.model_dir = self._model_dir(Path(args["model_repository"]) / self.version)
         self.run = load_compiled(self.model_dir, self.settings.device)
-        self.namespace = fingerprint(self.model_dir)
+        # load_compiled checked the package's build key against the folder; the key holds the
+        # weights' fingerprint, so it is read back rather than hashed again (seconds on large weights).
+        self.namespace = read_build_key(self.model_dir, self.device.type)["fingerprint"]
         self.namespace_tag = namespace_tag(self.namespace)
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
