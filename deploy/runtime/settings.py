@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from compute.config import CONFIG_FILENAME
 from kvlifecycle.rpc import TIMEOUTS, Timeouts
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
@@ -112,6 +113,14 @@ class ServingSettings:
     def compute_version_path(self) -> Path:
         """Where each hstu_compute version publishes its version and KV namespace when it loads."""
         return self.run_dir / "compute_version.json"
+
+    def compute_model_dir(self, version_dir: Path) -> Path:
+        """The model an hstu_compute version folder serves: its own when it holds one (a rollout's
+        new weights), else model_dir. The shipped version folder is model_dir's default and holds
+        the default model; it serves model_dir, so a server given another model serves that one."""
+        if not (version_dir / CONFIG_FILENAME).exists() or version_dir.resolve() == DEFAULT_MODEL_DIR.resolve():
+            return self.model_dir
+        return version_dir
 
     def prepare_run_dir(self) -> Path:
         """Create run_dir with mode 0700, or check that an existing one is a directory (not a

@@ -220,6 +220,21 @@ def test_default_settings_agree_on_a_private_run_dir_and_no_store(tmp_path: Path
     assert stat.S_IMODE(os.lstat(a.run_dir).st_mode) == 0o700
 
 
+def test_the_shipped_compute_version_serves_the_model_the_server_was_given(tmp_path: Path) -> None:
+    """`hstu_compute/1/` holds the default model; a server given another (HSTU_MODEL_DIR, as
+    `--model-config` sets it) must serve that one, and a rollout's version folder its own."""
+    from deploy.runtime.settings import ServingSettings
+
+    given = ServingSettings(model_dir=tmp_path / "given")
+    assert given.compute_model_dir(DEFAULT_MODEL_DIR) == tmp_path / "given"
+    assert ServingSettings().compute_model_dir(DEFAULT_MODEL_DIR) == DEFAULT_MODEL_DIR
+    rollout, bare = tmp_path / "2", tmp_path / "3"
+    rollout.mkdir(), bare.mkdir()
+    (rollout / "hstu_config.json").write_text((DEFAULT_MODEL_DIR / "hstu_config.json").read_text())
+    assert given.compute_model_dir(rollout) == rollout
+    assert given.compute_model_dir(bare) == tmp_path / "given"
+
+
 def test_a_run_dir_others_can_reach_is_refused(tmp_path: Path) -> None:
     from deploy.runtime.settings import ServingSettings
 

@@ -109,10 +109,11 @@ class TritonPythonModel:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _model_dir(self, version_dir: Path) -> Path:
-        """The version folder if it holds a model, else HSTU_MODEL_DIR. A version must keep the
-        owner's request limits and KV geometry (one pool and one validation serve all)."""
-        if not (version_dir / CONFIG_FILENAME).exists():
-            return self.settings.model_dir
+        """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
+        must keep the owner's request limits and KV geometry (one pool and one validation serve all)."""
+        model_dir = self.settings.compute_model_dir(version_dir)
+        if model_dir == self.settings.model_dir:
+            return model_dir
         mismatch = HSTUConfig.load(self.settings.model_dir).serving_mismatch(HSTUConfig.load(version_dir))
         if mismatch:
             raise ValueError(f"hstu_compute version {self.version}: {version_dir / CONFIG_FILENAME} differs from "
@@ -138,9 +139,9 @@ class TritonPythonModel:
 
     def _score(self, pool: PagePool, items: list[ComputeRequest]) -> list[torch.Tensor]:
         batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])
-        scores = self.run(pool.tensor, batch)  # [sum c, num_tasks]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # KV written before kv_offload commits it
+        # To the host: the copy waits for the KV writes queued before it (kv_offload commits them
+        # next), and a host tensor leaves the Python backend without a CUDA IPC handle per output.
+        scores = self.run(pool.tensor, batch).cpu()  # [sum c, num_tasks]
         return list(torch.split(scores, [int(r.candidates.numel()) for r in items]))
 
     def _score_alone(self, pool: PagePool, item: ComputeRequest):

@@ -7,7 +7,6 @@ code as the ensemble, with its own page pool (the same size) so the two never sh
 """
 import logging
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_compiled
@@ -50,9 +49,7 @@ class TritonPythonModel:
             lease = manager.onboard(lease)
             batch = PagedBatch.from_requests([(tokens[lease.cached_len:], lease.cached_len,
                                                list(lease.page_row), r.candidate_ids)])
-            scores = self.run(self.cache.pool.tensor, batch)  # [c, num_tasks]
-            if self.settings.device == "cuda":
-                torch.cuda.current_stream().synchronize()
+            scores = self.run(self.cache.pool.tensor, batch).cpu()  # [c, num_tasks]; waits for the KV writes
             items = manager.commit(lease_id)
             lease_id = None
             if self.offloader is not None and items:
