@@ -225,6 +225,19 @@ def test_host_hit_is_onboarded(smgr, store):
     assert s["lookups_host_hit"] == 1 and s["onboarded_pages"] == 3
 
 
+@pytest.mark.parametrize("min_host_pages,host_tokens", [(2, 0), (1, S)])
+def test_host_store_is_asked_only_for_min_host_pages_beyond_the_device_prefix(smgr, store, min_host_pages,
+                                                                           host_tokens):
+    """A device hit one page short of the host's prefix recomputes that page by default: a store
+    round trip costs more than one page of compute."""
+    tokens = list(range(12))
+    fill_host(smgr, store, tokens)  # 3 pages on the host, none on the device
+    serve(smgr, 1, tokens[:8])  # 2 of them onboarded: the device holds pages 1-2
+    smgr.min_host_pages = min_host_pages
+    hit = smgr.lookup(1, tokens + [1, 2])
+    assert (hit.device_tokens, hit.host_tokens) == (8, host_tokens)
+
+
 @pytest.mark.parametrize("failure,counter", [
     ("FAILED", "store_errors"),
     ("NOTFOUND", "onboard_misses"),
