@@ -10,6 +10,8 @@
                      a host hit (a history the other model offloaded), a miss (fresh history, same length),
                      for 256 / 1,024 / 4,096 history tokens.
       hop_overhead   1 candidate, 2 events (compute negligible), concurrency 1: ensemble minus monolithic.
+      device_hit     a user's next request at concurrency 1 (1,024 cached tokens, 8 new events, 64
+                     candidates), back to back, with Triton's per-model times: where a request's time goes.
     bench.offload_compare(server_b) -> OffloadComparison   # B: --store none; the same load on A and B, interleaved
 
 The hstu_kv_* metrics are scraped at every phase boundary (`PhaseResults.kv_cache` holds the deltas).
@@ -31,7 +33,8 @@ import numpy as np
 
 from compute import HSTUConfig
 from deploy.bench_perf_analyzer import run_perf_analyzer
-from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, HopOverhead, MeasuredRun, OffloadComparison,
+from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, MeasuredRun,
+                                  OffloadComparison,
                                   OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary, Spread, Sweep,
                                   SweepPoint, TimedRequest, TraceSummary)
 from deploy.client import RankingClient, ReplayResult, replay
@@ -46,10 +49,11 @@ from deploy.trace import TraceConfig, generate, perf_analyzer_data
 logger = logging.getLogger("hstu-bench")
 
 MODELS = (ENSEMBLE, MONOLITHIC)
-PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "offload")
+PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offload")
 CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
+DEVICE_HIT_TOKENS = 1024  # the device_hit phase's history
 COMMIT_WAIT_S = 0.5  # hstu_ranking commits a request's pages just after FINAL; let it land
 METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
 LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
@@ -63,9 +67,10 @@ class BenchConfig:
     requests: int = 200
     initial_events_median: float = 200.0
     warmup_requests: int = 32
-    phases: tuple[str, ...] = ("sweep", "perf_analyzer", "cache", "hop_overhead", "offload")
+    phases: tuple[str, ...] = PHASES
     pa_interval_ms: int = 3000  # perf_analyzer: 3 windows of this length per point
     overhead_requests: int = 30
+    device_hit_requests: int = 100  # per block of the device_hit phase
     offload_concurrency: int = 8
     seed: int = 0
 
@@ -81,7 +86,7 @@ class BenchConfig:
     @classmethod
     def quick(cls) -> "BenchConfig":
         return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=2000,
-                   overhead_requests=20)
+                   overhead_requests=20, device_hit_requests=30)
 
 
 @dataclass
@@ -122,7 +127,8 @@ class Bench:
         self.warmup()
         boundary("warmup")
         for name, step in (("sweep", self.sweep), ("perf_analyzer", self.perf_analyzer_sweep),
-                           ("cache", self.cache), ("hop_overhead", self.hop_overhead)):
+                           ("cache", self.cache), ("hop_overhead", self.hop_overhead),
+                           ("device_hit", self.device_hit)):
             if name in self.cfg.phases:
                 setattr(results, name, step())
                 boundary(name)
@@ -212,36 +218,36 @@ class Bench:
     def hop_overhead(self) -> HopOverhead:
         """Trivial compute (2 events, 1 candidate), concurrency 1: the ensemble's three hops vs one call."""
         n = self.cfg.overhead_requests
-        blocks: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
-        clients = {m: RankingClient(self.server.grpc_url, model=m) for m in MODELS}
-        try:
-            for model in MODELS:  # untimed first calls
-                for _ in range(3):
-                    clients[model].score(self._tiny())
-            for r in range(self.cfg.repeats):
-                for model in abba(r):
-                    before = read_model_stats(self.server.http_url)
-                    latencies = []
-                    for _ in range(n):
-                        req = self._tiny()
-                        t0 = time.perf_counter()
-                        clients[model].score(req)
-                        latencies.append(time.perf_counter() - t0)
-                    run = ReplayResult(latencies_s=latencies, scores=dict.fromkeys(range(n)), wall_s=sum(latencies))
-                    hops = hop_stats(before, read_model_stats(self.server.http_url))
-                    blocks[model].append(MeasuredRun.of(run, hops, lookups=None))
-        finally:
-            for client in clients.values():
-                client.close()
-        summaries = {m: RunsSummary.of(blocks[m]) for m in MODELS}
+        models = self._sequential_blocks(lambda client: [self._tiny() for _ in range(n)])
         return HopOverhead(
             method=(f"{self.cfg.repeats} blocks of {n} sequential requests per model on one gRPC stream each, blocks "
                     "interleaved; each request has a fresh user, 2 history events (4 tokens: no full page, nothing "
                     "cached or offloaded) and 1 candidate, so compute is negligible. overhead = median latency of "
                     "hstu_ranking - median latency of hstu_monolithic (client-side, p50 of each block, median over "
                     "blocks)"),
-            models=summaries, overhead_ms=summaries[ENSEMBLE].p50_ms.median - summaries[MONOLITHIC].p50_ms.median,
-            overhead_per_block_ms=[e.p50_ms - m.p50_ms for e, m in zip(blocks[ENSEMBLE], blocks[MONOLITHIC])])
+            models=models, overhead_ms=models[ENSEMBLE].p50_ms.median - models[MONOLITHIC].p50_ms.median,
+            overhead_per_block_ms=[e.p50_ms - m.p50_ms
+                                   for e, m in zip(models[ENSEMBLE].runs, models[MONOLITHIC].runs)])
+
+    def device_hit(self) -> DeviceHit:
+        """A user's next request, concurrency 1: its history again plus 8 new events, 64 candidates."""
+        n, events = self.cfg.device_hit_requests, DEVICE_HIT_TOKENS // 2
+
+        def primed_block(client: RankingClient) -> list[RankingRequest]:
+            hits = [self._history(events) for _ in range(n)]
+            for hit in hits:  # the previous request of each user caches its history
+                client.score(dataclasses.replace(hit, item_ids=hit.item_ids[:-CACHE_NEW_EVENTS],
+                                                 action_ids=hit.action_ids[:-CACHE_NEW_EVENTS]))
+            return hits
+
+        models = self._sequential_blocks(primed_block)
+        return DeviceHit(
+            method=(f"{self.cfg.repeats} blocks per model, interleaved; a block primes {n} fresh users with "
+                    f"{events - CACHE_NEW_EVENTS} events each, then times each user's next request ({events} events, "
+                    f"{2 * events} tokens, {CACHE_CANDIDATES} candidates) back to back on one gRPC stream; Triton's "
+                    "per-model statistics are read around the timed requests only"),
+            history_tokens=2 * events, candidates=CACHE_CANDIDATES, models=models,
+            p50_ensemble_over_monolithic=models[ENSEMBLE].p50_ms.median / models[MONOLITHIC].p50_ms.median)
 
     def offload_compare(self, off: Server) -> OffloadComparison:
         """The same load on A (offload on) and B (--store none), interleaved."""
@@ -308,6 +314,34 @@ class Bench:
         hop = hops.get(COMPUTE if model == ENSEMBLE else MONOLITHIC)
         return TimedRequest(latency * 1e3, hop.ms_per_request["compute_infer"] if hop else float("nan"),
                             lookups.outcome)
+
+    def _sequential_blocks(self, block_requests) -> dict[str, RunsSummary]:
+        """`repeats` blocks per model, interleaved (ABBA): `block_requests(client)` does any priming and
+        returns the requests to time, which are sent one after another; Triton's statistics are
+        read around them."""
+        blocks: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
+        clients = {m: RankingClient(self.server.grpc_url, model=m, timeout_s=120) for m in MODELS}
+        try:
+            for model in MODELS:  # untimed first calls
+                for _ in range(3):
+                    clients[model].score(self._tiny())
+            for r in range(self.cfg.repeats):
+                for model in abba(r):
+                    requests = block_requests(clients[model])
+                    before = read_model_stats(self.server.http_url)
+                    latencies = []
+                    for request in requests:
+                        t0 = time.perf_counter()
+                        clients[model].score(request)
+                        latencies.append(time.perf_counter() - t0)
+                    run = ReplayResult(latencies_s=latencies, scores=dict.fromkeys(range(len(requests))),
+                                       wall_s=sum(latencies))
+                    hops = hop_stats(before, read_model_stats(self.server.http_url))
+                    blocks[model].append(MeasuredRun.of(run, hops, lookups=None))
+        finally:
+            for client in clients.values():
+                client.close()
+        return {m: RunsSummary.of(blocks[m]) for m in MODELS}
 
     def _score_settled(self, client: RankingClient, model: str, request: RankingRequest) -> None:
         """Score one request and wait until its lookup is published, so the next scrape starts clean."""

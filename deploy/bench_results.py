@@ -3,7 +3,7 @@
 - `MeasuredRun.of(replay_result, hops, lookups)`: one replay of a trace against one model.
 - `RunsSummary.of(runs)`: the median and min-max of each figure over repeated runs, latencies pooled,
   and per hop (Triton model) the median stage times and the batch sizes.
-- The phase results (`Sweep`, `PerfAnalyzerPoint`, `CacheRow`, `HopOverhead`, `OffloadComparison`)
+- The phase results (`Sweep`, `PerfAnalyzerPoint`, `CacheRow`, `HopOverhead`, `DeviceHit`, `OffloadComparison`)
   hold these per model name (`hstu_ranking`, `hstu_monolithic`).
 
 `dataclasses.asdict` of a result is its form in the JSON report (deploy/bench_report.py).
@@ -174,6 +174,15 @@ class HopOverhead:
 
 
 @dataclass
+class DeviceHit:
+    method: str
+    history_tokens: int
+    candidates: int
+    models: dict[str, RunsSummary]  # each with its Triton per-model times (hops)
+    p50_ensemble_over_monolithic: float
+
+
+@dataclass
 class OffloadSides:
     on: RunsSummary
     off: RunsSummary
@@ -197,6 +206,7 @@ class PhaseResults:
     perf_analyzer: list[PerfAnalyzerPoint] | None = None
     cache: list[CacheRow] | None = None
     hop_overhead: HopOverhead | None = None
+    device_hit: DeviceHit | None = None
     offload: OffloadComparison | None = None
     # hstu_kv_* deltas per model between phase boundaries ("warmup", then each phase), and "total"
     kv_cache: dict[str, dict[str, KVCacheStats]] = field(default_factory=dict)

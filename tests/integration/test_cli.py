@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deploy import trace as trace_mod
-from deploy.runtime.schema import ENSEMBLE, LOOKUP, MONOLITHIC
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
 from deploy.trace import TraceConfig, generate
 from tests.conftest import PORT_ATTEMPTS, REPO_ROOT, free_ports
 
@@ -73,7 +73,7 @@ def test_demo_serves_checks_every_score_and_stops_cleanly(tmp_path: Path) -> Non
 
 @pytest.mark.integration
 def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
-    done = run([str(BIN / "hstu-bench"), "--quick", "--phases", "sweep", "--concurrency", "2", "--repeats", "1",
+    done = run([str(BIN / "hstu-bench"), "--quick", "--phases", "sweep", "device_hit", "--concurrency", "2", "--repeats", "1",
                 "--requests", "16", "--users", "4", "--no-perf-analyzer", "--no-offload-compare",
                 "--out-dir", str(tmp_path)])
 
@@ -89,7 +89,17 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
         # one lookup per request, each published before the run's figures were taken
         assert len(measured["latencies_ms"]) == 16 and sum(measured["lookups"]["by_outcome"].values()) == 16, measured
     assert report["model"]["compute_batching"]["max_batch_size"] > 0, report["model"]
-    assert set(report["phases"]["kv_cache"]) == {"warmup", "sweep", "total"}, report["phases"]["kv_cache"]
+    assert set(report["phases"]["kv_cache"]) == {"warmup", "sweep", "device_hit", "total"}, report["phases"]["kv_cache"]
+    hit = report["phases"]["device_hit"]
+    for model, hops in ((ENSEMBLE, {ENSEMBLE, LOOKUP, COMPUTE, OFFLOAD}), (MONOLITHIC, {MONOLITHIC})):
+        [measured] = hit["models"][model]["runs"]
+        assert (measured["ok"], measured["errors"]) == (30, 0), (model, measured)
+        assert set(measured["hops"]) == hops, measured["hops"]
+    # 3 untimed first calls and 30 primed users (misses), then each of those users again: device hits
+    owners = report["phases"]["kv_cache"]["device_hit"]
+    for owner in (LOOKUP, MONOLITHIC):
+        assert owners[owner]["lookups"]["by_outcome"] == {"device_hit": 30, "host_hit": 0, "miss": 33}, owners[owner]
+    assert "device hit (1024 tokens, 64 candidates, c=1)" in done.stdout, done.stdout
     assert report["summary"]["rows"][0]["concurrency"] == 2
     assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
     assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout
