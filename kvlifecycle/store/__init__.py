@@ -75,8 +75,8 @@ def open_store(kind: str = "embedded", **cfg: Any) -> HostStoreClient:
     """A client of the host store backend ``kind`` (one of ``STORE_KINDS``); ``cfg`` goes to
     that backend's client (see the module docstring)."""
     if kind in ("embedded", "mooncake"):  # one protocol; the store process's backing differs
-        from kvlifecycle.store.embedded import EmbeddedStoreClient
-        return EmbeddedStoreClient(**cfg)
+        from kvlifecycle.store.embedded import StoreProcessClient
+        return StoreProcessClient(**cfg)
     if kind == "flexkv":
         from kvlifecycle.store.flexkv import FlexKVStoreClient
         return FlexKVStoreClient(**cfg)

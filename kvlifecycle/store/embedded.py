@@ -49,7 +49,7 @@ from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EmbeddedStoreClient", "StoreProcess", "start_store_process"]
+__all__ = ["StoreProcessClient", "StoreProcess", "start_store_process"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
 
@@ -63,8 +63,9 @@ class _Prepared:
     pages: int
 
 
-class EmbeddedStoreClient(HostStoreClient):
-    """``HostStoreClient`` over pyzmq (DEALER) to one store server. Thread-safe (one lock
+class StoreProcessClient(HostStoreClient):
+    """``HostStoreClient`` over pyzmq (DEALER) to one store process (`python -m kvlifecycle.store`,
+    any backing, and FlexKV's store process, which speaks the same protocol). Thread-safe (one lock
     around the socket). Task ids are chosen by the client, increasing from 1.
 
     Ordering guarantee: tasks are queued by the server in the order their submit RPCs
@@ -282,7 +283,7 @@ class EmbeddedStoreClient(HostStoreClient):
         ``rpc`` an ``RpcStatus``. None when the store is unreachable (counted and logged)."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("EmbeddedStoreClient: used after close()")
+                raise RuntimeError("StoreProcessClient: used after close()")
             now = time.monotonic()
             if now < self._down_until:
                 self._counters["rpc_skipped_while_down"] += 1
@@ -375,7 +376,7 @@ def start_store_process(endpoint: str, dram_bytes: int = 2 << 30, disk_dir: Path
     while sock_path is not None and not sock_path.exists() and proc.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.02)
-    probe = EmbeddedStoreClient(endpoint, page_size=2, rpc_timeout_s=0.5, retry_interval_s=0.0)
+    probe = StoreProcessClient(endpoint, page_size=2, rpc_timeout_s=0.5, retry_interval_s=0.0)
     try:
         while not probe.ping():
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -55,7 +55,7 @@ import zmq
 
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store.api import Status
-from kvlifecycle.store.embedded import EmbeddedStoreClient
+from kvlifecycle.store.embedded import StoreProcessClient
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
 from kvlifecycle.store.protocol import Op, check_task_pages, pool_id
 
@@ -86,7 +86,7 @@ def gpu_register_endpoint(store_endpoint: str, pool: str) -> str:
     return f"ipc://{Path(store_endpoint.removeprefix('ipc://')).parent}/flexkv-{pool[:16]}-gpu"
 
 
-class FlexKVStoreClient(EmbeddedStoreClient):
+class FlexKVStoreClient(StoreProcessClient):
     """The protocol client to a FlexKV store process. ``owned_pool``: the pool this process
     allocated (the owner); ``register_pool`` also hands its memory to the store's FlexKV transfer
     engine, once per store process (a restarted store gets it again on its first ``NO_POOL``).

@@ -13,7 +13,7 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store import Status, open_store
-from kvlifecycle.store.embedded import EmbeddedStoreClient, start_store_process
+from kvlifecycle.store.embedded import StoreProcessClient, start_store_process
 from kvlifecycle.store.protocol import pool_id
 
 from tests.helpers import wait_for
@@ -33,9 +33,9 @@ def store_proc(endpoint: str) -> Iterator[Any]:
     proc.kill()
 
 
-def _client(endpoint: str, **cfg: Any) -> EmbeddedStoreClient:
+def _client(endpoint: str, **cfg: Any) -> StoreProcessClient:
     client = open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size, rpc_timeout_s=2.0, **cfg)
-    assert isinstance(client, EmbeddedStoreClient)
+    assert isinstance(client, StoreProcessClient)
     return client
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.rpc import default_endpoint
-from kvlifecycle.store.embedded import EmbeddedStoreClient, start_store_process
+from kvlifecycle.store.embedded import StoreProcessClient, start_store_process
 
 LOOKUPS = 2000
 TOKENS = 4096  # 32 KiB of int64 per request
@@ -19,7 +19,7 @@ def test_store_lookups_retain_no_memory() -> None:
     spec = PoolSpec(num_layers=1, num_pages=16, page_size=32, num_heads=1, head_dim=8)
     pool = PagePool.create(spec)
     store_proc = start_store_process(default_endpoint("store.sock"), dram_bytes=1 << 20)
-    store = EmbeddedStoreClient(store_proc.endpoint, page_size=spec.page_size, rpc_timeout_s=10.0)
+    store = StoreProcessClient(store_proc.endpoint, page_size=spec.page_size, rpc_timeout_s=10.0)
     try:
         assert store.register_pool(pool.handle())
         manager = KVCacheManager(spec, "leak-test", store=store)
