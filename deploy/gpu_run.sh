@@ -5,7 +5,8 @@
 #   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
 #            independent of the pool, only the new tokens' rows written)
 #   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
-#   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..64, every score
+#   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..128 over 128 users, so that
+#            c=128 keeps 128 requests in flight (a user's requests run in order); every score
 #            checked at every concurrency, clean-stop time), then hstu-bench's cache and device_hit phases
 #            (device hit / host hit / miss at 256..4,096 tokens; a user's next request at 1,024
 #            tokens back to back, with each model's Triton compute time; both models)
@@ -80,7 +81,7 @@ for stage in "${STAGES[@]}"; do
     for name in $CONFIGS; do
       config="deploy/configs/gpu_${name}_bf16.json"
       python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
-        --users 40 --requests 200 --median-events 600 --concurrency 1 4 8 16 32 64 \
+        --users 128 --requests 512 --median-events 600 --concurrency 1 4 8 16 32 64 128 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" --phases cache device_hit \
         --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
