@@ -1,6 +1,6 @@
 """The command-line tools as a user runs them, with small settings: `hstu-trace`, the demo
 (`python -m deploy.demo`, its own server) and a smoke run of `hstu-bench` (its own server, one
-sweep point, one repeat)."""
+sweep point, one repeat), and `deploy/bench_control.py`."""
 from __future__ import annotations
 
 import json
@@ -104,3 +104,13 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
     assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
     assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout
     assert np.isfinite(report["summary"]["rows"][0]["throughput_ratio"])
+
+
+def test_bench_control_compares_the_default_and_the_models_gil_switch_interval(tmp_path: Path) -> None:
+    done = run([sys.executable, "deploy/bench_control.py", "--requests", "50", "--report-dir", str(tmp_path)])
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("control-*-cpu.json")
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["switch_interval_s"] for r in runs] == [0.005, 0.0002], runs
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in runs), runs

@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.runtime import published
 from deploy.runtime.cache_owner import open_kv_cache
+from deploy.runtime.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
@@ -33,6 +34,7 @@ logger = logging.getLogger("kv_lookup_alloc")
 
 class TritonPythonModel:
     def initialize(self, args):
+        hand_over_gil_promptly()  # the control plane's thread answers commits while execute runs
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)

@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from compute import HSTUConfig, history_tokens
 from deploy.runtime import published
 from deploy.runtime.cache_owner import open_store_client, pool_spec
+from deploy.runtime.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
@@ -33,6 +34,7 @@ FLUSH_TIMEOUT_S = 60.0
 
 class TritonPythonModel:
     def initialize(self, args):
+        hand_over_gil_promptly()  # execute and the offload worker share this process's GIL
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.config = HSTUConfig.load(self.settings.model_dir)
