@@ -34,9 +34,8 @@ import numpy as np
 from compute import HSTUConfig
 from deploy.bench_perf_analyzer import run_perf_analyzer
 from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, MeasuredRun,
-                                  OffloadComparison,
-                                  OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary, Spread, Sweep,
-                                  SweepPoint, TimedRequest, TraceSummary)
+                                  OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
+                                  Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
 from deploy.client import RankingClient, ReplayResult, replay
 from deploy.launcher import Server
 from deploy.metrics import Metrics, scrape
