@@ -10,8 +10,9 @@
                      a host hit (a history the other model offloaded), a miss (fresh history, same length),
                      for 256 / 1,024 / 4,096 history tokens.
       hop_overhead   1 candidate, 2 events (compute negligible), concurrency 1: ensemble minus monolithic.
-      device_hit     a user's next request at concurrency 1 (1,024 cached tokens, 8 new events, 64
-                     candidates), back to back, with Triton's per-model times: where a request's time goes.
+      device_hit     concurrency 1, back to back, at 1,024 and 4,096 history tokens: a user's next request
+                     (its history cached, 8 new events, 64 candidates) and a miss of the same length, with
+                     Triton's per-model times: where a request's time goes, and what the cache saves.
     bench.offload_compare(server_b) -> OffloadComparison   # B: --store none; the same load on A and B, interleaved
 
 The hstu_kv_* metrics are scraped at every phase boundary (`PhaseResults.kv_cache` holds the deltas).
@@ -52,7 +53,6 @@ PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offl
 CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
-DEVICE_HIT_TOKENS = 1024  # the device_hit phase's history
 COMMIT_WAIT_S = 0.5  # hstu_ranking commits a request's pages just after FINAL; let it land
 METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
 LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
@@ -70,6 +70,7 @@ class BenchConfig:
     pa_interval_ms: int = 3000  # perf_analyzer: 3 windows of this length per point
     overhead_requests: int = 30
     device_hit_requests: int = 100  # per block of the device_hit phase
+    device_hit_tokens: tuple[int, ...] = (1024, 4096)  # its history lengths
     offload_concurrency: int = 8
     seed: int = 0
 
@@ -85,7 +86,7 @@ class BenchConfig:
     @classmethod
     def quick(cls) -> "BenchConfig":
         return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=2000,
-                   overhead_requests=20, device_hit_requests=30)
+                   overhead_requests=20, device_hit_requests=30, device_hit_tokens=(1024,))
 
 
 @dataclass
@@ -228,25 +229,33 @@ class Bench:
             overhead_per_block_ms=[e.p50_ms - m.p50_ms
                                    for e, m in zip(models[ENSEMBLE].runs, models[MONOLITHIC].runs)])
 
-    def device_hit(self) -> DeviceHit:
-        """A user's next request, concurrency 1: its history again plus 8 new events, 64 candidates."""
-        n, events = self.cfg.device_hit_requests, DEVICE_HIT_TOKENS // 2
+    def device_hit(self) -> list[DeviceHit]:
+        """Per history length, concurrency 1, back to back: a user's next request (its history again
+        plus 8 new events, 64 candidates) and a miss of the same length."""
+        n = self.cfg.device_hit_requests
+        rows = []
+        for tokens in self.cfg.device_hit_tokens:
+            events = tokens // 2
 
-        def primed_block(client: RankingClient) -> list[RankingRequest]:
-            hits = [self._history(events) for _ in range(n)]
-            for hit in hits:  # the previous request of each user caches its history
-                client.score(dataclasses.replace(hit, item_ids=hit.item_ids[:-CACHE_NEW_EVENTS],
-                                                 action_ids=hit.action_ids[:-CACHE_NEW_EVENTS]))
-            return hits
+            def primed_hits(client: RankingClient) -> list[RankingRequest]:
+                hits = [self._history(events) for _ in range(n)]
+                for hit in hits:  # the previous request of each user caches its history
+                    client.score(dataclasses.replace(hit, item_ids=hit.item_ids[:-CACHE_NEW_EVENTS],
+                                                     action_ids=hit.action_ids[:-CACHE_NEW_EVENTS]))
+                return hits
 
-        models = self._sequential_blocks(primed_block)
-        return DeviceHit(
-            method=(f"{self.cfg.repeats} blocks per model, interleaved; a block primes {n} fresh users with "
-                    f"{events - CACHE_NEW_EVENTS} events each, then times each user's next request ({events} events, "
-                    f"{2 * events} tokens, {CACHE_CANDIDATES} candidates) back to back on one gRPC stream; Triton's "
-                    "per-model statistics are read around the timed requests only"),
-            history_tokens=2 * events, candidates=CACHE_CANDIDATES, models=models,
-            p50_ensemble_over_monolithic=models[ENSEMBLE].p50_ms.median / models[MONOLITHIC].p50_ms.median)
+            hits = self._sequential_blocks(primed_hits)
+            misses = self._sequential_blocks(lambda client: [self._history(events) for _ in range(n)])
+            rows.append(DeviceHit(
+                method=(f"{self.cfg.repeats} blocks per model and kind, interleaved; a hit block primes {n} fresh "
+                        f"users with {events - CACHE_NEW_EVENTS} events each, then times each user's next request "
+                        f"({events} events, {2 * events} tokens, {CACHE_CANDIDATES} candidates) back to back on one "
+                        f"gRPC stream; a miss block times {n} fresh users of the same length; Triton's per-model "
+                        "statistics are read around the timed requests only"),
+                history_tokens=2 * events, candidates=CACHE_CANDIDATES, models=hits, misses=misses,
+                p50_ensemble_over_monolithic=hits[ENSEMBLE].p50_ms.median / hits[MONOLITHIC].p50_ms.median,
+                miss_over_device_hit={m: misses[m].p50_ms.median / hits[m].p50_ms.median for m in MODELS}))
+        return rows
 
     def offload_compare(self, off: Server) -> OffloadComparison:
         """The same load on A (offload on) and B (--store none), interleaved."""

@@ -179,14 +179,15 @@ def format_summary(report: BenchReport) -> str:
         lines.append(f"hop overhead (2 events, 1 candidate, c=1): {g.hop_overhead_ms:+.2f} ms "
                      f"(p50 hstu_ranking {h[ENSEMBLE].p50_ms.median:.2f} ms, "
                      f"hstu_monolithic {h[MONOLITHIC].p50_ms.median:.2f} ms)")
-    if phases.device_hit is not None:
-        d = phases.device_hit.models
+    for row in phases.device_hit or []:
+        d = row.models
         infer = {hop: summary.ms_per_request["compute_infer"] for m in MODELS for hop, summary in d[m].hops.items()
                  if hop != ENSEMBLE}
-        lines.append(f"device hit ({phases.device_hit.history_tokens} tokens, {phases.device_hit.candidates} "
-                     f"candidates, c=1): p50 hstu_ranking {d[ENSEMBLE].p50_ms.median:.2f} ms, hstu_monolithic "
-                     f"{d[MONOLITHIC].p50_ms.median:.2f} ms ({phases.device_hit.p50_ensemble_over_monolithic:.2f}x); "
-                     "Triton compute per request: " + ", ".join(f"{hop} {ms:.2f}" for hop, ms in infer.items()) + " ms")
+        lines.append(f"device hit ({row.history_tokens} tokens, {row.candidates} candidates, c=1, back to back): p50 "
+                     f"hstu_ranking {d[ENSEMBLE].p50_ms.median:.2f} ms, hstu_monolithic {d[MONOLITHIC].p50_ms.median:.2f} ms "
+                     f"({row.p50_ensemble_over_monolithic:.2f}x); miss/hit {row.miss_over_device_hit[ENSEMBLE]:.2f}x and "
+                     f"{row.miss_over_device_hit[MONOLITHIC]:.2f}x; Triton compute per hit: "
+                     + ", ".join(f"{hop} {ms:.2f}" for hop, ms in infer.items()) + " ms")
     if phases.cache is not None:
         lines.append(f"{'cache, c=1, ms':<16}" + "".join(
             f" | {m:<15} {'hit':>7} {'host':>7} {'miss':>7} {'miss/hit':>8}" for m in MODELS))

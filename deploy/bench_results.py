@@ -178,8 +178,10 @@ class DeviceHit:
     method: str
     history_tokens: int
     candidates: int
-    models: dict[str, RunsSummary]  # each with its Triton per-model times (hops)
-    p50_ensemble_over_monolithic: float
+    models: dict[str, RunsSummary]  # device hits, each model with its Triton per-model times (hops)
+    misses: dict[str, RunsSummary]  # fresh histories of the same length
+    p50_ensemble_over_monolithic: float  # of the device hits
+    miss_over_device_hit: dict[str, float]  # per model, of the p50s
 
 
 @dataclass
@@ -206,7 +208,7 @@ class PhaseResults:
     perf_analyzer: list[PerfAnalyzerPoint] | None = None
     cache: list[CacheRow] | None = None
     hop_overhead: HopOverhead | None = None
-    device_hit: DeviceHit | None = None
+    device_hit: list[DeviceHit] | None = None
     offload: OffloadComparison | None = None
     # hstu_kv_* deltas per model between phase boundaries ("warmup", then each phase), and "total"
     kv_cache: dict[str, dict[str, KVCacheStats]] = field(default_factory=dict)

@@ -8,8 +8,8 @@
 #   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..128 over 128 users, so that
 #            c=128 keeps 128 requests in flight (a user's requests run in order); every score
 #            checked at every concurrency, clean-stop time), then hstu-bench's cache and device_hit phases
-#            (device hit / host hit / miss at 256..4,096 tokens; a user's next request at 1,024
-#            tokens back to back, with each model's Triton compute time; both models)
+#            (device hit / host hit / miss at 256..4,096 tokens; at 1,024 and 4,096 tokens a user's
+#            next request and a miss, back to back, with each model's Triton compute time)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases,
 #            the store benchmark (embedded and flexkv side by side: GB/s vs a pinned copy), then,
@@ -84,7 +84,7 @@ for stage in "${STAGES[@]}"; do
         --users 128 --requests 512 --median-events 600 --concurrency 1 4 8 16 32 64 128 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" --phases cache device_hit \
-        --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+        --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
     done
   fi
 done

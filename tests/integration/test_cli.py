@@ -90,16 +90,20 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
         assert len(measured["latencies_ms"]) == 16 and sum(measured["lookups"]["by_outcome"].values()) == 16, measured
     assert report["model"]["compute_batching"]["max_batch_size"] > 0, report["model"]
     assert set(report["phases"]["kv_cache"]) == {"warmup", "sweep", "device_hit", "total"}, report["phases"]["kv_cache"]
-    hit = report["phases"]["device_hit"]
+    [row] = report["phases"]["device_hit"]  # --quick: 1,024 tokens only
+    assert row["history_tokens"] == 1024
     for model, hops in ((ENSEMBLE, {ENSEMBLE, LOOKUP, COMPUTE, OFFLOAD}), (MONOLITHIC, {MONOLITHIC})):
-        [measured] = hit["models"][model]["runs"]
-        assert (measured["ok"], measured["errors"]) == (30, 0), (model, measured)
-        assert set(measured["hops"]) == hops, measured["hops"]
-    # 3 untimed first calls and 30 primed users (misses), then each of those users again: device hits
+        for kind in ("models", "misses"):
+            [measured] = row[kind][model]["runs"]
+            assert (measured["ok"], measured["errors"]) == (30, 0), (model, kind, measured)
+            assert set(measured["hops"]) == hops, measured["hops"]
+        assert row["miss_over_device_hit"][model] > 0
+    # hits: 3 untimed first calls and 30 primed users (misses), then each of those users again;
+    # misses: 3 untimed first calls, then 30 fresh users
     owners = report["phases"]["kv_cache"]["device_hit"]
     for owner in (LOOKUP, MONOLITHIC):
-        assert owners[owner]["lookups"]["by_outcome"] == {"device_hit": 30, "host_hit": 0, "miss": 33}, owners[owner]
-    assert "device hit (1024 tokens, 64 candidates, c=1)" in done.stdout, done.stdout
+        assert owners[owner]["lookups"]["by_outcome"] == {"device_hit": 30, "host_hit": 0, "miss": 66}, owners[owner]
+    assert "device hit (1024 tokens, 64 candidates, c=1, back to back)" in done.stdout, done.stdout
     assert report["summary"]["rows"][0]["concurrency"] == 2
     assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
     assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout
