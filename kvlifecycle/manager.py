@@ -78,7 +78,7 @@ HOST_HIT = "host_hit"
 MISS = "miss"
 
 # The fewest full pages beyond the device prefix worth a host-store lookup. The lookup is a round
-# trip to the store process (about 0.7 ms on the H200 host); recomputing one page of a device hit
+# trip to the store process (about 0.6 ms on the H200 host); recomputing one page of a device hit
 # (a user's next request, whose last page was not full before) costs far less on any device.
 MIN_HOST_PAGES = 2
 
