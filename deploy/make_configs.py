@@ -57,7 +57,7 @@ LIFECYCLE_MAX_BATCH_SIZE = 1
 
 
 def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_delay_us: int = 0,
-           lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE) -> dict[str, str]:
+           lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE, offload_instances: int = 1) -> dict[str, str]:
     """config.pbtxt text of every model, keyed by model name. The ensemble's three steps are
     batched models (`queue_delay_us`); hstu_compute takes up to `max_batch_size` requests per
     execute, kv_lookup_alloc and kv_offload up to `lifecycle_max_batch_size` (see
@@ -93,7 +93,8 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
         + _io("input", (*compute_out, schema.LEASE_ID, *schema.OFFLOAD_HISTORY_INPUTS), batched=True)
         + _io("output", (scores,), batched=True)
         + _dynamic_batching(queue_delay_us)
-        + _instances("KIND_CPU", 1)
+        # Any number: each instance commits through the owner and offloads with its own worker.
+        + _instances("KIND_CPU", offload_instances)
     )
     configs[schema.MONOLITHIC] = (
         _python_model(schema.MONOLITHIC, 0)
@@ -151,9 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
                    help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s: see "
                         "LIFECYCLE_MAX_BATCH_SIZE in this file before raising it)")
+    p.add_argument("--offload-instances", type=int, default=1,
+                   help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest step at c=32")
     a = p.parse_args(argv)
+    if a.offload_instances < 1:
+        p.error(f"--offload-instances {a.offload_instances}: expected at least 1")
     write(a.repository, render(num_tasks_of(a.model_dir), a.device, a.max_batch_size, a.queue_delay_us,
-                               a.lifecycle_max_batch_size))
+                               a.lifecycle_max_batch_size, a.offload_instances))
 
 
 if __name__ == "__main__":

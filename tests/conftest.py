@@ -92,6 +92,22 @@ def launch_config(tmp_path: Path, **overrides) -> LaunchConfig:
     return LaunchConfig(serving, **kwargs)
 
 
+def rendered_repository(root: Path, **render: object) -> Path:
+    """The real models' version folders (linked) under configs rendered with `render`
+    (`deploy.make_configs.render` options: lifecycle_max_batch_size=64, offload_instances=2)."""
+    from deploy import make_configs
+    from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
+
+    repository = root / "rendered_repository"
+    for name, text in make_configs.render(make_configs.num_tasks_of(DEFAULT_MODEL_DIR), **render).items():
+        (repository / name).mkdir(parents=True)
+        (repository / name / "config.pbtxt").write_text(text)
+        version = DEFAULT_MODEL_REPOSITORY / name / "1"
+        if version.is_dir():
+            (repository / name / "1").symlink_to(version)
+    return repository
+
+
 def start_server(tmp_path: Path, **overrides) -> LocalServer:
     """A started server (host store + tritonserver) on free ports; the caller stops it."""
     srv = LocalServer(launch_config(tmp_path, **overrides))

@@ -6,6 +6,9 @@ Prometheus counters (by delta) and gauges every `interval_s` (and once more at `
 is published from `execute`: each custom-metric call is a synchronous round trip to the server
 (0.06-0.75 ms measured on the CPU machine), which had cost kv_lookup_alloc about 1 ms per request.
 Every series carries the label `model` so the ensemble and the monolithic can be told apart.
+Several instances of one model (`make_configs --offload-instances`) share each counter (Triton
+hands every instance the same metric, and each adds its own deltas); a gauge is each instance's
+own value, so gauges also carry `instance` and a reader sums them (`deploy.metrics`).
 
 Series (stats key -> metric{labels}):
   lookups_device_hit / lookups_host_hit / lookups_miss -> hstu_kv_lookups_total{outcome}
@@ -101,7 +104,7 @@ class StageTimer:
 class KVMetrics:
     """Publishes a subset of `_SERIES` for one model, from `source()`, on a background thread."""
 
-    def __init__(self, model: str, keys: list[str], source: Callable[[], dict[str, float]],
+    def __init__(self, model: str, instance: str, keys: list[str], source: Callable[[], dict[str, float]],
                  interval_s: float = METRICS_INTERVAL_S):
         unknown = [k for k in keys if k not in _SERIES]
         assert not unknown, f"KVMetrics: unknown stats keys {unknown}; known: {sorted(_SERIES)}"
@@ -113,7 +116,8 @@ class KVMetrics:
             if name not in families:
                 kind_enum = pb_utils.MetricFamily.COUNTER if kind == "counter" else pb_utils.MetricFamily.GAUGE
                 families[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kind_enum)
-            self._metrics[key] = (kind, families[name].Metric(labels={"model": model, **labels}))
+            own = {"instance": instance} if kind == "gauge" else {}  # see the module docstring
+            self._metrics[key] = (kind, families[name].Metric(labels={"model": model, **own, **labels}))
         self._families = families  # keep the families alive as long as their metrics
         self._source = source
         self._interval_s = interval_s

@@ -14,11 +14,12 @@ import pytest
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.client import ROUTE_HEADER, RankingClient, replay
 from deploy.launcher import Server
+from deploy.metrics import scrape
 from deploy import make_configs
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
 from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
-from tests.conftest import start_server
+from tests.conftest import rendered_repository, start_server
 from tests.helpers import ModelStats, metric, wait_for
 
 pytestmark = pytest.mark.integration
@@ -175,13 +176,21 @@ def test_small_pool_serves_many_users_correctly_with_host_hits(small_pool_server
 
 
 def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -> None:
+    """With two kv_offload instances (`make_configs --offload-instances 2`): each commits and
+    offloads, their counters add up in one series, each reports its own queue depth, and
+    unloading the model flushes both."""
     from kvlifecycle.store import open_store
 
-    srv = start_server(tmp_path, model_control="explicit")
+    srv = start_server(tmp_path, model_control="explicit",
+                       model_repository=rendered_repository(tmp_path, offload_instances=2))
     try:
         trace = generate(TraceConfig(num_users=8, num_requests=40, seed=6, initial_events_median=300))
         result = replay(trace, srv.grpc_url, model=ENSEMBLE, concurrency=4)
         assert_matches_reference(trace, result, reference)
+        wait_for(lambda: metric(srv, "hstu_kv_stage_seconds_count", model=OFFLOAD, stage="commit") == len(trace),
+                 10, "every request's commit counted once, over both instances")
+        depths = scrape(srv.metrics_url).samples("hstu_kv_offload_queue_depth", model=OFFLOAD)
+        assert len({s.labels["instance"] for s in depths}) == 2, depths
 
         unload = urllib.request.Request(f"http://{srv.http_url}/v2/repository/models/kv_offload/unload", data=b"{}")
         urllib.request.urlopen(unload, timeout=120).read()

@@ -23,23 +23,8 @@ from pathlib import Path
 
 from deploy import make_configs
 from deploy.launcher import build_model, log_tail
-from deploy.runtime.settings import DEFAULT_MODEL_DIR
-from tests.conftest import LocalServer, launch_config
-from tests.reliability.conftest import FAULT_POOL_PAGES, REAL_REPOSITORY, EndlessLoad, Users
-
-
-def stress_repository(root: Path, lifecycle_max_batch_size: int) -> Path:
-    """The real models' version folders (linked) under configs rendered for this batch size."""
-    repository = root / "stress_repository"
-    configs = make_configs.render(make_configs.num_tasks_of(DEFAULT_MODEL_DIR),
-                                  lifecycle_max_batch_size=lifecycle_max_batch_size)
-    for name, text in configs.items():
-        (repository / name).mkdir(parents=True)
-        (repository / name / "config.pbtxt").write_text(text)
-        version = REAL_REPOSITORY / name / "1"
-        if version.is_dir():
-            (repository / name / "1").symlink_to(version)
-    return repository
+from tests.conftest import LocalServer, launch_config, rendered_repository
+from tests.reliability.conftest import FAULT_POOL_PAGES, EndlessLoad, Users
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
     server = LocalServer(launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
                                        store_dram_bytes=512 << 20,
-                                       model_repository=stress_repository(root, a.lifecycle_max_batch_size)))
+                                       model_repository=rendered_repository(
+                                           root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
     build_model(server.settings.model_dir, server.settings.device)
     server.start()
     started = time.monotonic()

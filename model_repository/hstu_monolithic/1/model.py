@@ -31,7 +31,7 @@ class TritonPythonModel:
         manager = self.cache.manager
         self.offloader = (Offloader(self.cache.store, manager.page_size, manager.offload_done)
                           if self.cache.store is not None else None)
-        self.metrics = KVMetrics(args["model_name"], OWNER_KEYS, source=self.cache.stats)
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OWNER_KEYS, source=self.cache.stats)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]

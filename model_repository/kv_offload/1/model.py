@@ -45,7 +45,7 @@ class TritonPythonModel:
         self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size)
         self.worker.start()
         self.stages = StageTimer()
-        self.metrics = KVMetrics(args["model_name"], OFFLOAD_KEYS + stage_keys("commit"),
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OFFLOAD_KEYS + stage_keys("commit"),
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
