@@ -183,10 +183,11 @@ def format_summary(report: BenchReport) -> str:
         d = row.models
         infer = {hop: summary.ms_per_request["compute_infer"] for m in MODELS for hop, summary in d[m].hops.items()
                  if hop != ENSEMBLE}
-        lines.append(f"device hit ({row.history_tokens} tokens, {row.candidates} candidates, c=1, back to back): p50 "
-                     f"hstu_ranking {d[ENSEMBLE].p50_ms.median:.2f} ms, hstu_monolithic {d[MONOLITHIC].p50_ms.median:.2f} ms "
-                     f"({row.p50_ensemble_over_monolithic:.2f}x); miss/hit {row.miss_over_device_hit[ENSEMBLE]:.2f}x and "
-                     f"{row.miss_over_device_hit[MONOLITHIC]:.2f}x; Triton compute per hit: "
+        lines.append(f"device hit ({row.history_tokens} tokens, {row.candidates} candidates, c=1, back to back): "
+                     f"p50 hstu_ranking {d[ENSEMBLE].p50_ms.median:.2f} ms, hstu_monolithic "
+                     f"{d[MONOLITHIC].p50_ms.median:.2f} ms ({row.p50_ensemble_over_monolithic:.2f}x); miss/hit "
+                     f"{row.miss_over_device_hit[ENSEMBLE]:.2f}x and {row.miss_over_device_hit[MONOLITHIC]:.2f}x; "
+                     "Triton compute per hit: "
                      + ", ".join(f"{hop} {ms:.2f}" for hop, ms in infer.items()) + " ms")
     if phases.cache is not None:
         lines.append(f"{'cache, c=1, ms':<16}" + "".join(

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s: see "
                         "LIFECYCLE_MAX_BATCH_SIZE in this file before raising it)")
     p.add_argument("--offload-instances", type=int, default=1,
-                   help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest step at c=32")
+                   help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest "
+                        "step at c=32")
     a = p.parse_args(argv)
     if a.offload_instances < 1:
         p.error(f"--offload-instances {a.offload_instances}: expected at least 1")

@@ -64,7 +64,8 @@ class TritonPythonModel:
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.published_pool = published.pool_handle_file(self.settings)
         self.stages = StageTimer()
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("compute"), source=self.stages.stats)
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("compute"),
+                                 source=self.stages.stats)
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
             "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file

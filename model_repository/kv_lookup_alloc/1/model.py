@@ -48,7 +48,8 @@ class TritonPythonModel:
         self.compute_version = published.compute_version_file(self.settings)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OWNER_KEYS + stage_keys("lookup", "allocate", "onboard"),
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
+                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard"),
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
