@@ -11,14 +11,22 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
   names the lease's namespace with its pages.
 - ``offload_done(page_ids, ok) -> int``: drop offload pins (after the put was reaped).
 - ``abort(lease_id) -> bool``: return every page of a lease (failure, cancellation).
+- ``onboard_wait(lease_ids) -> list[OnboardOutcome]``: once the onboard of every lease (started
+  by the owner with ``manager.onboard_start_many``) is settled, each lease's final cached length
+  and page row, or why it is gone. The consumer of the pages (hstu_compute) asks before it reads
+  them; the reply is deferred, never blocking other requests.
 - ``stats() -> dict`` and ``ping()``.
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
 calls ``manager.expire_leases()`` at least every ``expire_interval_s`` (between requests when
-busy, on poll timeouts when idle). Messages are ``kvlifecycle.rpc`` frames (JSON header, never
-pickle)::
+busy, on poll timeouts when idle). While any onboard is in flight it calls
+``manager.poll_onboards()`` every 0.5-1 ms (``ONBOARD_POLL_S``) and answers each ``onboard_wait`` whose
+leases are all settled (the manager settles a late copy as a timeout, so every wait is answered
+within the store timeout of its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header,
+never pickle)::
 
-    request: {"op": "commit"|"commit_many"|"offload_done"|"abort"|"stats"|"ping", "args": {...}}
+    request: {"op": "commit"|"commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
+              "args": {...}}
     reply:   {"rpc": RpcStatus value, "result": ..., "error": str}
 
 A client call raises ``ControlTimeout`` when no reply came within ``timeout_s`` (the server
@@ -33,18 +41,46 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import zmq
 
+from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed, OffloadItem
-from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, prepare_ipc_dir
+from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, decode, prepare_ipc_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout"]
+__all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout", "OnboardOutcome"]
+
+# While onboards are in flight the server asks the store about them (one try_wait for all) at
+# most this often, and at least once a millisecond: a copy's end reaches its waiter that late.
+ONBOARD_POLL_S = 0.0005
+
+
+@dataclass(frozen=True)
+class OnboardOutcome:
+    """A lease once its onboard is settled: compute reads ``[0, cached_len)`` through
+    ``page_row`` and writes the rest. ``cached_len`` is None when the lease is gone (``error``
+    says why): its pages are no longer the request's."""
+
+    lease_id: int
+    cached_len: int | None
+    page_row: tuple[int, ...] = ()
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "cached_len": self.cached_len, "page_row": list(self.page_row),
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "OnboardOutcome":
+        cached_len = d["cached_len"]
+        return cls(int(d["lease_id"]), None if cached_len is None else int(cached_len),
+                   tuple(int(p) for p in d["page_row"]), str(d.get("error", "")))
 
 
 class ControlError(RuntimeError):
@@ -69,6 +105,7 @@ class ControlServer:
         self.expire_interval_s = expire_interval_s
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
         self._bind_error: BaseException | None = None
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, name="kvlifecycle-control", daemon=True)
@@ -108,14 +145,26 @@ class ControlServer:
             self._ready.set()
             return
         self._ready.set()
-        poll_ms = max(1, int(self.expire_interval_s * 1000 / 2))
+        idle_poll_ms = max(1, int(self.expire_interval_s * 1000 / 2))
         next_expire = time.monotonic() + self.expire_interval_s
+        next_onboard_poll = 0.0
         try:
             while not self._stop.is_set():
-                if sock.poll(poll_ms, zmq.POLLIN):
-                    reply, _status = answer(sock.recv_multipart(), self._handle)
-                    sock.send_multipart(reply)
-                if time.monotonic() >= next_expire:
+                onboarding = self.manager.onboards_in_flight() > 0
+                if sock.poll(1 if onboarding else idle_poll_ms, zmq.POLLIN):  # whole milliseconds
+                    frames = sock.recv_multipart()
+                    waited = self._onboard_wait_leases(frames)
+                    if waited is None:
+                        sock.send_multipart(answer(frames, self._handle)[0])
+                    else:
+                        self._onboard_waits.append((frames, waited))
+                now = time.monotonic()
+                if onboarding and now >= next_onboard_poll:
+                    self.manager.poll_onboards()
+                    next_onboard_poll = now + ONBOARD_POLL_S
+                if self._onboard_waits:
+                    self._answer_settled_waits(sock)
+                if now >= next_expire:
                     self._expire()
                     next_expire = time.monotonic() + self.expire_interval_s
         finally:
@@ -129,6 +178,33 @@ class ControlServer:
             self.manager.expire_leases()
         except Exception:
             logger.error("expire_leases failed", exc_info=True)
+
+    @staticmethod
+    def _onboard_wait_leases(frames: list[bytes]) -> list[int] | None:
+        """The lease ids of an ``onboard_wait`` request, answered once they are settled; None
+        for any other request, or a malformed one (``answer`` refuses it at once)."""
+        try:
+            header, _ = decode(frames[2:])
+            if header.get("op") != "onboard_wait":
+                return None
+            return [_int(i) for i in header["args"]["lease_ids"]]
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None
+
+    def _answer_settled_waits(self, sock: zmq.Socket) -> None:
+        waiting = []
+        for frames, lease_ids in self._onboard_waits:
+            if any(self.manager.onboard_result(i) is None for i in lease_ids):
+                waiting.append((frames, lease_ids))
+            else:
+                sock.send_multipart(answer(frames, self._handle)[0])
+        self._onboard_waits = waiting
+
+    def _onboard_outcome(self, lease_id: int) -> OnboardOutcome:
+        result = self.manager.onboard_result(lease_id)
+        if isinstance(result, Lease):
+            return OnboardOutcome(lease_id, result.cached_len, result.page_row)
+        return OnboardOutcome(lease_id, None, error=str(result))
 
     def _handle(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """One request's reply body (``rpc.answer`` adds the status)."""
@@ -156,11 +232,14 @@ class ControlServer:
             return mgr.offload_done([_int(p) for p in pages], bool(args["ok"]))
         if op == "abort":
             return mgr.abort(_int(args["lease_id"]))
+        if op == "onboard_wait":  # answered once every lease is settled (_answer_settled_waits)
+            return [self._onboard_outcome(_int(i)).to_json() for i in args["lease_ids"]]
         if op == "stats":
             return mgr.stats()
         if op == "ping":
             return "pong"
-        raise ValueError(f"unknown op {op!r}; expected commit, commit_many, offload_done, abort, stats or ping")
+        raise ValueError(f"unknown op {op!r}; expected commit, commit_many, offload_done, abort, onboard_wait, "
+                         "stats or ping")
 
 
 class ControlClient:
@@ -186,6 +265,12 @@ class ControlClient:
     def abort(self, lease_id: int) -> bool:
         return bool(self._call("abort", {"lease_id": int(lease_id)}))
 
+    def onboard_wait(self, lease_ids: Sequence[int], timeout_s: float) -> list[OnboardOutcome]:
+        """Each lease's outcome once all their onboards are settled; ``timeout_s`` must exceed
+        the owner's store timeout (it settles a late copy as a timeout by then)."""
+        result = self._call("onboard_wait", {"lease_ids": [int(i) for i in lease_ids]}, timeout_s)
+        return [OnboardOutcome.from_json(d) for d in result]
+
     def stats(self) -> dict[str, int]:
         return dict(self._call("stats", {}))
 
@@ -206,13 +291,14 @@ class ControlClient:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _call(self, op: str, args: dict[str, Any]) -> Any:
+    def _call(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._client is None:
                 raise RuntimeError(f"control {op}: client is closed")
-            answered = self._client.call({"op": op, "args": args}, timeout_s=self.timeout_s)
+            answered = self._client.call({"op": op, "args": args}, timeout_s=timeout_s)
         if answered is None:
-            raise ControlTimeout(f"control {op}: no reply from {self.endpoint} within {self.timeout_s} s "
+            raise ControlTimeout(f"control {op}: no reply from {self.endpoint} within {timeout_s} s "
                                  "(is the owner process running?)")
         reply = answered[0]
         status = RpcStatus(reply["rpc"])

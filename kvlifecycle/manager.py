@@ -20,6 +20,17 @@ every onboard of the batch; per-request outcomes, never one exception for the ba
     leases = mgr.onboard_many(leases)                       # list[Lease | LeaseGone | PoolExhausted]
     done   = mgr.commit_many(lease_ids)                     # list[Committed]
 
+Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` launches
+the copies and returns at once; a lease whose copy is in flight stays ``onboarding``.
+``poll_onboards`` (the control plane's thread calls it while any is in flight) settles each one
+when its copy ends, or as a timeout ``store_timeout_s`` after its launch; ``onboard_result``
+says whether a lease's onboard is settled, and how (the consumer of its pages asks before it
+reads them)::
+
+    leases = mgr.onboard_start_many(leases)   # in flight: lease.onboarding; others settled now
+    mgr.poll_onboards()                       # repeatedly, until onboards_in_flight() == 0
+    lease  = mgr.onboard_result(lease_id)     # None while in flight; Lease, or LeaseGone
+
 The request's namespace, page keys and token ids are fixed once, by ``lookup``: the
 ``LookupResult`` carries them into ``allocate``, the lease keeps them, and ``commit`` returns the
 namespace with the pages to offload. Nothing after ``lookup`` hashes the chain again.
@@ -45,6 +56,7 @@ table until the first miss, which is O(pages) dictionary probes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -140,6 +152,10 @@ class KVCacheManager:
         self.clock = clock
         self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
                                  offload_ttl_s=offload_ttl_s, clock=clock)
+        # Onboards started by onboard_start_many and not settled yet: lease id -> (store task,
+        # deadline). Filled by the caller's thread, settled by the one calling poll_onboards.
+        self._in_flight: dict[int, tuple[int, float]] = {}
+        self._in_flight_lock = threading.Lock()
 
     @property
     def page_size(self) -> int:
@@ -280,6 +296,76 @@ class KVCacheManager:
             except (LeaseGone, PoolExhausted) as e:
                 out.append(e)
         return out
+
+    def onboard_start_many(self, leases: Sequence[Lease | PoolExhausted]
+                           ) -> list[Lease | PoolExhausted | LeaseGone]:
+        """Launch the onboard of each lease of a batch and return without waiting. A lease whose
+        copy is in flight comes back ``onboarding`` (its onboard pages may not be read until
+        ``onboard_result`` returns it settled); a lease with nothing to copy, or whose copy the
+        store refused, is settled here (refused pages become pages to compute). Other entries
+        stay in their place, as in ``onboard_many``."""
+        out: list[Lease | PoolExhausted | LeaseGone] = []
+        for lease in leases:
+            if not isinstance(lease, Lease) or lease.onboarded:
+                out.append(lease)
+                continue
+            task = self.onboard_launch(lease.lease_id)
+            if task is None:
+                try:
+                    out.append(self._settle_onboard(lease.lease_id, None, None))
+                except (LeaseGone, PoolExhausted) as e:
+                    out.append(e)
+                continue
+            with self._in_flight_lock:
+                self._in_flight[lease.lease_id] = (task, self.clock() + self.store_timeout_s)
+            out.append(self.leases.get_lease(lease.lease_id) or LeaseGone(
+                f"onboard_start_many: lease {lease.lease_id} was aborted during its launch"))
+        return out
+
+    def onboards_in_flight(self) -> int:
+        with self._in_flight_lock:
+            return len(self._in_flight)
+
+    def poll_onboards(self, now: float | None = None) -> list[int]:
+        """Settle the in-flight onboards whose copy ended (one store ``try_wait`` for all of
+        them) or whose deadline passed (a timeout: the copy is cancelled, and its pages are
+        quarantined while it may still write). Returns the lease ids settled."""
+        with self._in_flight_lock:
+            pending = dict(self._in_flight)
+        if not pending:
+            return []
+        try:
+            statuses = self.store.try_wait([task for task, _ in pending.values()])
+        except Exception:
+            logger.warning("host store try_wait failed for onboards of leases %s", list(pending), exc_info=True)
+            self.leases.count("store_errors")
+            statuses = {}
+        now = self.clock() if now is None else now
+        settled = []
+        for lease_id, (task, deadline) in pending.items():
+            status = Status(statuses.get(task, Status.UNREADY))
+            if not status.done and now < deadline:
+                continue
+            try:
+                self._settle_onboard(lease_id, task, status if status.done else Status.TIMEOUT)
+            except (LeaseGone, PoolExhausted):
+                pass  # aborted meanwhile, or no fresh pages: the lease is released; onboard_result says so
+            with self._in_flight_lock:
+                del self._in_flight[lease_id]
+            settled.append(lease_id)
+        return settled
+
+    def onboard_result(self, lease_id: int) -> Lease | LeaseGone | None:
+        """None while the lease's onboard (from ``onboard_start_many``) is in flight; then the
+        lease (its ``cached_len`` and ``page_row`` final: a failed copy shrank the one, a
+        quarantine changed the other), or ``LeaseGone`` when it was aborted or expired."""
+        with self._in_flight_lock:
+            if lease_id in self._in_flight:
+                return None
+        lease = self.leases.get_lease(lease_id)
+        if lease is None:
+            return LeaseGone(f"lease {lease_id} is unknown (aborted, expired, or its onboard found no fresh pages)")
+        return lease
 
     def commit(self, lease_id: int) -> list[OffloadItem]:
         """Make the lease's new full pages visible; returns those to offload (pinned until

@@ -54,8 +54,13 @@ ENSEMBLE_INPUTS = (
 
 # kv_lookup_alloc -> hstu_compute. Shapes as the batched model sees them (batch dim excluded).
 LOOKUP_OUTPUTS = (
-    TensorSpec("new_tokens", "INT64", (-1,), ragged=True),  # history tokens to compute
-    TensorSpec("cached_len", "INT64", (1,)),  # tokens already in the pool (page multiple)
+    # History tokens from cached_len - onboard_len on: those to compute, and in front of them the
+    # ones being onboarded (computed as well if their copy fails).
+    TensorSpec("new_tokens", "INT64", (-1,), ragged=True),
+    TensorSpec("cached_len", "INT64", (1,)),  # tokens cached in the pool once the onboard is done (page multiple)
+    # The last onboard_len of the cached tokens are being copied from the host store (0: none):
+    # hstu_compute asks the owner how the copy ended before it reads them.
+    TensorSpec("onboard_len", "INT64", (1,)),
     TensorSpec("page_row", "INT64", (-1,), ragged=True),  # pages covering cached + new tokens
     TensorSpec("candidates", "INT64", (-1,), ragged=True),
     TensorSpec("namespace_tag", "INT64", (1,)),  # the lease's KV namespace (hashing.namespace_tag)

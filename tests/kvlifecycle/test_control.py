@@ -1,5 +1,6 @@
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from kvlifecycle.pool import PoolSpec
 from kvlifecycle.rpc import RpcStatus, decode, default_endpoint, encode
 
 from .conftest import kv_owner, run_child
+from .kvl_fakes import FakeStore
 
 SPEC = PoolSpec(num_layers=2, num_pages=8, page_size=4, num_heads=1, head_dim=2)
 
@@ -101,3 +103,43 @@ def test_client_errors_are_clear():
     with ControlClient(default_endpoint("control.sock"), timeout_s=0.2) as client:
         with pytest.raises(ControlTimeout, match="no reply"):
             client.ping()
+
+
+def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request():
+    """The consumer of a host hit's pages waits for that copy alone: commits and pings are
+    answered meanwhile, and the wait's answer carries the settled cached length and page row."""
+    pool = torch.zeros(2, 8, 2, 4, 1, 2)  # the fake store copies into a pool of SPEC's shape
+    store = FakeStore(pool, SPEC.page_size)  # FAKE host store: holds the copy in flight on demand
+    with kv_owner(SPEC, store=store) as owner:
+        mgr = owner.manager
+        tokens = list(range(8))
+        first = mgr.allocate(1, tokens)
+        for key, page in zip(first.keys, first.page_row):  # the host store holds both pages
+            store.pages[key] = pool[:, page].clone()
+        mgr.abort(first.lease_id)
+        other = mgr.allocate(2, list(range(100, 104)))
+        store.get_status = "UNREADY"
+        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
+        task = next(t for t, status in store.tasks.items() if status == "UNREADY")
+        assert lease.onboarding and lease.cached_len == 8
+
+        outcome = []
+        with ControlClient(owner.endpoint) as waiter, ControlClient(owner.endpoint) as client:
+            thread = threading.Thread(target=lambda: outcome.extend(waiter.onboard_wait([lease.lease_id], 5.0)))
+            thread.start()
+            time.sleep(0.1)
+            assert client.ping() and client.commit_many([other.lease_id])[0].lease_id == other.lease_id
+            assert thread.is_alive() and not outcome  # the copy still runs
+            store.finish(task, "SUCCESS")
+            thread.join(5.0)
+        assert [(o.lease_id, o.cached_len, o.page_row) for o in outcome] == [(lease.lease_id, 8, lease.page_row)]
+        assert mgr.onboards_in_flight() == 0
+
+
+def test_onboard_wait_for_a_lease_without_an_onboard_or_a_gone_one_is_answered_at_once():
+    with kv_owner(SPEC) as owner:
+        lease = owner.manager.allocate(1, list(range(6)))
+        with ControlClient(owner.endpoint) as client:
+            settled, gone = client.onboard_wait([lease.lease_id, 999], timeout_s=1.0)
+        assert (settled.cached_len, settled.page_row) == (0, lease.page_row)
+        assert gone.cached_len is None and "999" in gone.error

@@ -382,3 +382,65 @@ def test_onboard_many_waits_once_for_every_copy_and_fails_per_request(smgr, stor
     for committed in smgr.commit_many([done[0].lease_id, done[1].lease_id]):
         smgr.offload_done([it.page_id for it in committed.items], True)
     baseline_ok(smgr)
+
+
+def started_host_hit(smgr, store, tokens):
+    """A host hit whose onboard copy is launched and stays in flight (the fake store's get is UNREADY)."""
+    fill_host(smgr, store, tokens)
+    store.get_status = "UNREADY"
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
+    store.get_status = None
+    return lease, next(t for t, status in store.tasks.items() if status == "UNREADY")
+
+
+def test_onboard_start_returns_at_once_and_poll_settles_the_copy(smgr, store):
+    tokens = list(range(8))
+    lease, task = started_host_hit(smgr, store, tokens)
+    assert lease.onboarding and lease.cached_len == 8 and smgr.onboards_in_flight() == 1
+    assert smgr.onboard_result(lease.lease_id) is None  # its pages may not be read yet
+    assert smgr.poll_onboards() == []  # the copy still runs
+    store.finish(task, "SUCCESS")
+    assert smgr.poll_onboards() == [lease.lease_id]
+    done = smgr.onboard_result(lease.lease_id)
+    assert done.onboarded and done.cached_len == 8 and done.page_row == lease.page_row
+    assert (smgr.onboards_in_flight(), smgr.stats()["onboarded_pages"]) == (0, 2)
+    smgr.commit(lease.lease_id)
+    baseline_ok(smgr)
+
+
+def test_a_late_copy_is_settled_as_a_timeout_even_when_nobody_waits(smgr, store, clock):
+    tokens = list(range(8))
+    lease, task = started_host_hit(smgr, store, tokens)
+    clock.now += smgr.store_timeout_s - 0.1
+    assert smgr.poll_onboards() == []
+    clock.now += 0.2
+    assert smgr.poll_onboards() == [lease.lease_id]
+    done = smgr.onboard_result(lease.lease_id)
+    assert done.onboarded and done.cached_len == 0  # the request recomputes those tokens...
+    assert not set(done.page_row) & set(lease.onboard_pages)  # ...into fresh pages
+    assert task in store.cancelled and smgr.stats()["pages_quarantined"] == 2  # the copy may still write
+    store.finish(task)
+    smgr.expire_leases()
+    smgr.abort(done.lease_id)
+    baseline_ok(smgr)
+
+
+def test_a_lease_aborted_while_its_copy_runs_is_released_when_it_settles(smgr, store):
+    lease, task = started_host_hit(smgr, store, list(range(8)))
+    assert smgr.abort(lease.lease_id)
+    assert smgr.stats()["pages_leased"] == 2  # the store may be writing them
+    store.finish(task, "SUCCESS")
+    assert smgr.poll_onboards() == [lease.lease_id]
+    assert isinstance(smgr.onboard_result(lease.lease_id), LeaseGone)
+    baseline_ok(smgr)
+
+
+def test_a_refused_copy_is_settled_at_start_as_pages_to_compute(smgr, store):
+    tokens = list(range(8))
+    fill_host(smgr, store, tokens)
+    store.raise_on.add("get_async")
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
+    assert lease.onboarded and lease.cached_len == 0 and smgr.onboards_in_flight() == 0
+    assert smgr.onboard_result(lease.lease_id).cached_len == 0
+    smgr.abort(lease.lease_id)
+    baseline_ok(smgr)

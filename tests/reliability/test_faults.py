@@ -10,7 +10,8 @@ On `fault_server` (small pool, fault injection):
   by expiry), its batch-mates are correct;
 - the host store killed mid-load: requests keep being served correctly (recompute), store errors
   are counted, and the restarted store is reconnected (offloads and host hits again);
-- the host store slow (`tests/slow_store.py`, copies 3 s late): an onboard times out and is recomputed, no hang;
+- the host store slow (`tests/slow_store.py`, copies 3 s late): an onboard times out and is recomputed, no hang,
+  and the wait for it is hstu_compute's, not kv_lookup_alloc's (the owner launched the copy and answered);
 - the pool exhausted by concurrent long requests (while hstu_compute is busy, so none can commit
   and free room): "pool exhausted" or correct scores, never a hang.
 """
@@ -27,6 +28,7 @@ import tritonclient.grpc as grpcclient
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, RankingRequest
+from deploy.server_stats import read_model_stats
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for
@@ -209,11 +211,13 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
             fault_server.start_store()
             register_pool(fault_server)
             before = owner_stats(fault_server)
+            triton_before = read_model_stats(fault_server.http_url)
             grown = RankingRequest(user.user_id, user.item_ids + [7, 8], user.action_ids + [1, 2], user.candidate_ids)
             start = time.monotonic()
             check_scores(reference, grown, client.score(grown), what="with a slow store,")
             took = time.monotonic() - start
             after = owner_stats(fault_server)
+            triton_after = read_model_stats(fault_server.http_url)
         finally:
             fault_server.kill_store()
             fault_server.store_copy_delay_s = 0.0
@@ -222,7 +226,12 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
     assert after["lookups_host_hit"] == before["lookups_host_hit"] + 1, "the slow store did not report a host hit"
     assert after["store_timeouts"] > before["store_timeouts"], f"no onboard timeout: {before} -> {after}"
     assert after["onboarded_pages"] == before["onboarded_pages"], "pages counted as onboarded from a timed-out get"
-    print(f"slow store: host hit, onboard timed out, recomputed; answered in {took:.1f}s")
+    in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
+                for m in (LOOKUP, COMPUTE)}
+    # The owner launched the copy and answered at once; hstu_compute waited for it (2 s) alone.
+    assert in_model[LOOKUP] < 0.5 < 1.5 < in_model[COMPUTE], f"seconds in each model's execute: {in_model}"
+    print(f"slow store: host hit, onboard timed out, recomputed; answered in {took:.1f}s; seconds in execute: "
+          f"{in_model}")
     wait_drained(fault_server, timeout_s=120)  # quarantined pages return once the store's task ends
 
 

@@ -7,6 +7,12 @@ tokens' KV into it. If the batch fails, each request is retried alone so one bad
 alone; a failed request's lease is aborted so its pages return at once. It answers with the
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
+Onboarding: kv_lookup_alloc launches a host hit's copy into the pool and answers without waiting
+(`onboard_len` > 0). Before it reads those pages, this model asks the owner's control plane how
+the copies of its batch's host hits ended (`onboard_wait`, one round trip per batch): each
+request then reads what was copied and computes the rest (a failed or late copy means
+recomputing those tokens, and a copy that may still be running moves the request to fresh pages).
+
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
 `HSTU_MODEL_DIR`. At load, the version publishes its KV namespace (the fingerprint of its
@@ -30,7 +36,7 @@ from deploy.runtime import published
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
-from kvlifecycle.control import ControlClient
+from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
 
@@ -40,8 +46,9 @@ logger = logging.getLogger("hstu_compute")
 class ComputeRequest(NamedTuple):
     """One request's inputs from kv_lookup_alloc."""
 
-    new_tokens: torch.Tensor  # int64 [n]: history tokens from cached_len on
+    new_tokens: torch.Tensor  # int64 [n]: history tokens from cached_len - onboard_len on
     cached_len: int
+    onboard_len: int  # the last onboard_len cached tokens are being copied in (0: none)
     page_row: torch.Tensor  # int64 [pages]
     candidates: torch.Tensor  # int64 [c]
     namespace_tag: int  # the lease's KV namespace
@@ -63,8 +70,10 @@ class TritonPythonModel:
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.published_pool = published.pool_handle_file(self.settings)
+        # The owner settles a copy within its onboard wait; the reply may take one control timeout more.
+        self.onboard_wait_timeout_s = self.settings.timeouts.onboard_wait_s + self.settings.timeouts.control_s
         self.stages = StageTimer()
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("compute"),
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("onboard", "compute"),
                                  source=self.stages.stats)
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
@@ -83,6 +92,9 @@ class TritonPythonModel:
                 responses[i] = error_response(
                     f"hstu_compute: lease {p.lease_id} was made for another model version's KV (this is version "
                     f"{self.version}; a rollout happened while the request was in flight)", retryable=True)
+        onboarding = [i for i, p in enumerate(parsed) if responses[i] is None and p.onboard_len]
+        if onboarding:
+            self._settle_onboards(parsed, responses, onboarding)
         good = [i for i, r in enumerate(responses) if r is None]
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
         shapes = [(parsed[i].new_tokens.numel() + parsed[i].candidates.numel(),
@@ -130,6 +142,7 @@ class TritonPythonModel:
             return ComputeRequest(
                 new_tokens=input_tensor(request, "new_tokens").reshape(-1),
                 cached_len=scalar("cached_len"),
+                onboard_len=scalar("onboard_len"),
                 page_row=input_tensor(request, "page_row").reshape(-1),
                 candidates=input_tensor(request, "candidates").reshape(-1),
                 namespace_tag=scalar("namespace_tag"),
@@ -137,6 +150,42 @@ class TritonPythonModel:
             )
         except Exception as e:
             return f"hstu_compute: malformed request: {e}"
+
+    def _settle_onboards(self, parsed: list, responses: list, members: list[int]) -> None:
+        """Wait for the copies of `members` (host hits) to be settled by the owner, then make each
+        request read what was copied and compute the rest; a request whose lease is gone, or
+        whose outcome cannot be learnt, is answered with an error (its pages may still be written)."""
+        started = time.perf_counter()
+        lease_ids = [parsed[i].lease_id for i in members]
+        try:
+            outcomes = self.control.onboard_wait(lease_ids, timeout_s=self.onboard_wait_timeout_s)
+        except Exception as e:
+            logger.error("hstu_compute: no onboard outcome for leases %s", lease_ids, exc_info=True)
+            for i in members:
+                self._abort(parsed[i].lease_id)
+                responses[i] = error_response(f"hstu_compute: cannot learn whether lease {parsed[i].lease_id}'s "
+                                              f"host-store copy ended ({e}); retry the request")
+            return
+        self.stages.add("onboard", time.perf_counter() - started, len(members))
+        for i, outcome in zip(members, outcomes):
+            settled = self._settled(parsed[i], outcome)
+            if settled is None:
+                responses[i] = error_response(f"hstu_compute: lease {outcome.lease_id}: {outcome.error}")
+            else:
+                parsed[i] = settled
+
+    @staticmethod
+    def _settled(request: ComputeRequest, outcome: OnboardOutcome) -> ComputeRequest | None:
+        """The request as its settled onboard leaves it: the tokens not copied are computed."""
+        if outcome.cached_len is None:
+            return None
+        device_len = request.cached_len - request.onboard_len
+        assert device_len <= outcome.cached_len <= request.cached_len, (
+            f"lease {outcome.lease_id}: the owner settled cached_len {outcome.cached_len}, expected "
+            f"{device_len}..{request.cached_len}")
+        return request._replace(new_tokens=request.new_tokens[outcome.cached_len - device_len:],
+                                cached_len=outcome.cached_len, onboard_len=0,
+                                page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
 
     def _score(self, pool: PagePool, items: list[ComputeRequest]) -> list[torch.Tensor]:
         batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])

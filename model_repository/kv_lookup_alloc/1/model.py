@@ -1,14 +1,18 @@
-"""kv_lookup_alloc: the owner of the KV cache. Per batch: validate -> lookup -> allocate -> onboard.
+"""kv_lookup_alloc: the owner of the KV cache. Per batch: validate -> lookup -> allocate -> launch onboards.
 
 One instance (one process) owns the page table; it creates the device page pool at `initialize`
 and publishes its handle for hstu_compute and the host store, and serves the control plane that
 kv_offload (commits, offload completions) and hstu_compute (aborts) talk to.
 
 Dynamic batching hands `execute` every queued request. They go through the cache together
-(`KVCacheManager.lookup_many`, `allocate_many`, `onboard_many`): one table lock per step and
-one store wait for every onboard of the batch. The request's namespace, page keys and token ids
-are fixed here, once, and travel with its lease. A bad request or an exhausted pool becomes an
-error response for that request only and changes no cache state.
+(`KVCacheManager.lookup_many`, `allocate_many`, `onboard_start_many`): one table lock per step.
+A host hit's copy into the pool is launched and not waited for: the request is answered at once
+with the pages it will read (`onboard_len` of them still being copied), and hstu_compute asks
+this process's control plane how that request's copy ended before it reads them, so a slow copy
+holds no other request here. The control plane's thread settles each copy when the store
+reports it done, or as a timeout (the request recomputes those pages). The request's namespace,
+page keys and token ids are fixed here, once, and travel with its lease. A bad request or an
+exhausted pool becomes an error response for that request only and changes no cache state.
 """
 import logging
 import os
@@ -49,7 +53,7 @@ class TritonPythonModel:
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard"),
+                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard_launch"),
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
@@ -104,7 +108,8 @@ class TritonPythonModel:
             self.cache.manager.use_namespace(version["namespace"])
 
     def _serve(self, batch: list[tuple[RankingInputs, torch.Tensor]]) -> list:
-        """A response for each (inputs, tokens): lookup, allocate and onboard the whole batch."""
+        """A response for each (inputs, tokens): lookup, allocate and launch the onboards of the
+        whole batch."""
         if not batch:
             return []
         manager = self.cache.manager
@@ -115,8 +120,8 @@ class TritonPythonModel:
         leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
         allocated = time.perf_counter()
         try:
-            leases = manager.onboard_many(leases)  # waits settings.timeouts.onboard_wait_s (cache_owner)
-            onboarded = time.perf_counter()
+            leases = manager.onboard_start_many(leases)  # settled within settings.timeouts.onboard_wait_s
+            launched = time.perf_counter()
             responses = [self._response(r, tokens, lease) for (r, tokens), lease in zip(batch, leases)]
         except Exception:
             for lease in leases:  # the caller serves them again: their pages return now, not at expiry
@@ -126,7 +131,7 @@ class TritonPythonModel:
         # Every request of the batch spent the whole of each step in it.
         self.stages.add("lookup", looked_up - started, n)
         self.stages.add("allocate", allocated - looked_up, n)
-        self.stages.add("onboard", onboarded - allocated, n)
+        self.stages.add("onboard_launch", launched - allocated, n)
         return responses
 
     def _serve_alone(self, item: tuple[RankingInputs, torch.Tensor]):
@@ -139,13 +144,15 @@ class TritonPythonModel:
     def _response(self, r: RankingInputs, tokens: torch.Tensor, lease):
         if isinstance(lease, PoolExhausted):
             return error_response(f"KV page pool exhausted, retry later: {lease}")
-        if not isinstance(lease, Lease):  # LeaseGone: aborted during its onboard
+        if not isinstance(lease, Lease):  # LeaseGone: aborted during its onboard's launch
             return error_response(f"kv_lookup_alloc: internal error: {lease}")
-        cached_len = lease.cached_len  # a failed onboard only shrinks cached_len
+        cached_len = lease.cached_len  # a refused onboard only shrank cached_len
+        onboard_len = lease.num_onboard_pages * lease.page_size if lease.onboarding else 0
         row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
         return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("new_tokens", row(tokens[cached_len:])),
+            output_tensor("new_tokens", row(tokens[cached_len - onboard_len:])),
             output_tensor("cached_len", row([cached_len])),
+            output_tensor("onboard_len", row([onboard_len])),
             output_tensor("page_row", row(lease.page_row)),
             output_tensor("candidates", row(r.candidate_ids)),
             output_tensor("namespace_tag", row([namespace_tag(lease.namespace)])),
