@@ -5,8 +5,8 @@
                          [--model-config cfg.json] [--device cpu|cuda] [--no-perf-analyzer]
 
 Starts server A (`--store`, default embedded), runs the phases on it (deploy/bench_phases.py: warm-up,
-sweep, perf_analyzer, cache, hop overhead), then starts server B (`--store none`) next to A for the
-offload on/off comparison. Writes deploy/reports/<date>-<device>.json (deploy/bench_report.py), three
+sweep, perf_analyzer, cache, hop overhead, device hit), then starts server B (`--store none`) next to A
+for the offload on/off comparison, and server C (a small pool) for the host-hit-heavy load. Writes deploy/reports/<date>-<device>.json (deploy/bench_report.py), three
 PNG plots next to it (deploy/bench_plots.py), and prints a summary.
 
 The modules, one job each: bench_phases (the measurements), bench_results (their typed results),
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hstu-serve").setLevel(logging.WARNING)
 
     phases = [x for x in a.phases if not (x == "perf_analyzer" and a.no_perf_analyzer)
-              and not (x == "offload" and (a.no_offload_compare or a.store == "none"))]
+              and not (x == "offload" and (a.no_offload_compare or a.store == "none"))
+              and not (x == "host_hits" and a.store == "none")]
     overrides = {"repeats": a.repeats, "requests": a.requests, "users": a.users,
                  "concurrencies": tuple(a.concurrency) if a.concurrency else None}
     cfg = dataclasses.replace(BenchConfig.quick() if a.quick else BenchConfig(), seed=a.seed, phases=tuple(phases),
@@ -86,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
             serving_b = dataclasses.replace(serving_a, run_dir=new_run_dir(), store="none", store_endpoint="")
             report.servers["B"] = _setup(serving_b)
             report.phases.offload = bench.offload_compare(stack.enter_context(_serving(serving_b)))
+        if "host_hits" in cfg.phases:
+            pages = bench.host_hit_pool_pages()
+            logger.info("starting server C (--pool-pages %d) for the host-hit-heavy load", pages)
+            serving_c = dataclasses.replace(serving_a, run_dir=new_run_dir(), pool_pages=pages)
+            report.servers["C"] = _setup(serving_c)
+            with _serving(serving_c) as server_c:
+                report.phases.host_hits = bench.host_hits(server_c, pages, serving_a.pool_pages)
         report.load_after = _loadavg()
     report.elapsed_s = time.monotonic() - started
     report.summary = summarize(report)

@@ -14,6 +14,9 @@
                      (its history cached, 8 new events, 64 candidates) and a miss of the same length, with
                      Triton's per-model times: where a request's time goes, and what the cache saves.
     bench.offload_compare(server_b) -> OffloadComparison   # B: --store none; the same load on A and B, interleaved
+    bench.host_hits(server_c, ...) -> HostHitLoad  # C: a pool of `host_hit_pool_pages()`; one trace of 32 users
+                     # per request in flight on A and on C, each replayed twice at c=8 and the second pass timed:
+                     # device hits on A, mostly host hits on C (its pool holds a few histories, the store all)
 
 The hstu_kv_* metrics are scraped at every phase boundary (`PhaseResults.kv_cache` holds the deltas).
 Every measured run replays the same trace relabelled into fresh user and item ids (`relabel`): the
@@ -34,8 +37,8 @@ import numpy as np
 
 from compute import HSTUConfig
 from deploy.bench_perf_analyzer import run_perf_analyzer
-from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, MeasuredRun,
-                                  OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
+from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
+                                  HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
 from deploy.client import RankingClient, ReplayResult, replay
 from deploy.launcher import Server
@@ -49,13 +52,14 @@ from deploy.trace import TraceConfig, generate, perf_analyzer_data
 logger = logging.getLogger("hstu-bench")
 
 MODELS = (ENSEMBLE, MONOLITHIC)
-PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offload")
+PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offload", "host_hits")
 CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
 COMMIT_WAIT_S = 0.5  # hstu_ranking commits a request's pages just after FINAL; let it land
 METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
 LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
+HOST_HIT_USERS_PER_REQUEST_IN_FLIGHT = 32  # host_hits' trace: users (one request each) per request in flight
 
 
 @dataclass
@@ -71,7 +75,7 @@ class BenchConfig:
     overhead_requests: int = 30
     device_hit_requests: int = 100  # per block of the device_hit phase
     device_hit_tokens: tuple[int, ...] = (1024, 4096)  # its history lengths
-    offload_concurrency: int = 8
+    offload_concurrency: int = 8  # also the host_hits phase's
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -108,10 +112,12 @@ class Bench:
     def __init__(self, server: Server, cfg: BenchConfig, model: ServedModel):
         self.server, self.cfg, self.model = server, cfg, model.config
         self.page_bytes = model.page_bytes
-        self.base = generate(TraceConfig(num_users=cfg.users, num_requests=cfg.requests, seed=cfg.seed,
-                                         initial_events_median=cfg.initial_events_median,
-                                         max_history_events=self.model.max_history_events,
-                                         item_vocab=self.model.item_vocab, action_vocab=self.model.action_vocab))
+        self.base = self._trace(cfg.users, cfg.requests)
+        # host_hits: many more users than the concurrency, so that a small pool holds few of them, and
+        # one request each (a user's last of a uniform trace), so that the timed pass finds each
+        # history where the first pass left it
+        users = HOST_HIT_USERS_PER_REQUEST_IN_FLIGHT * cfg.offload_concurrency
+        self.host_hit_base = list({r.user_id: r for r in self._trace(users, 4 * users, zipf_a=0.0)}.values())
         self._variant = 0
         self._rng = np.random.default_rng(cfg.seed + 1)
         self.failed_requests = 0  # over every replay; hstu-bench exits non-zero when any failed
@@ -282,6 +288,42 @@ class Bench:
             "on each, order alternated, each followed by a wait until kv_offload's queue is empty; each run a "
             "fresh relabelling of the sweep trace"), models)
 
+    def host_hit_pool_pages(self) -> int:
+        """Server C's pool: room for `offload_concurrency` of the host_hits trace's longest requests in
+        flight, half again (their prefixes pinned, one batch more), a few of its many users' histories."""
+        longest = max(len(r.item_ids) for r in self.host_hit_base) * 2  # two tokens per event
+        return 3 * self.cfg.offload_concurrency * -(-longest // self.model.page_size) // 2
+
+    def host_hits(self, small: Server, small_pool_pages: int, pool_pages: int) -> HostHitLoad:
+        """The same trace on A and on C (small pool), twice each, the second pass timed."""
+        c = self.cfg.offload_concurrency
+        runs: dict[str, dict[str, list[MeasuredRun]]] = {m: {"device": [], "host": []} for m in MODELS}
+        for r in range(self.cfg.repeats):
+            for model in abba(r):
+                for side in (("device", "host") if r % 2 == 0 else ("host", "device")):
+                    server = self.server if side == "device" else small
+                    trace = self.fresh_trace(self.host_hit_base)
+                    self.replay(trace, server, model, c)  # caches every history (A), or offloads it (C)
+                    _drain_offloads(server)
+                    runs[model][side].append(self.measured_replay(server, model, c, trace))
+                    _drain_offloads(server)
+        models = {}
+        for model in MODELS:
+            device, host = RunsSummary.of(runs[model]["device"]), RunsSummary.of(runs[model]["host"])
+            rate = Spread.of([r.lookup_rate("host_hit") for r in runs[model]["host"]]).median
+            models[model] = HostHitSides(device, host, p99_host_over_device=host.p99_ms.median / device.p99_ms.median,
+                                         p50_host_over_device=host.p50_ms.median / device.p50_ms.median,
+                                         host_hit_rate=rate)
+            logger.info("host hits %s c=%d: p99 host/device %.2f, host hits %.0f%%", model, c,
+                        models[model].p99_host_over_device, 100 * rate)
+        return HostHitLoad(c, {"A": pool_pages, "C": small_pool_pages}, (
+            f"servers A (pool of {pool_pages} pages) and C ({small_pool_pages} pages: a few histories) up at once, "
+            f"both with a host store; per repeat, model and server (order alternated), a fresh relabelling of a "
+            f"trace of one request for each of {len(self.host_hit_base)} users "
+            f"replayed twice at c={c}, the second pass timed: on A its lookups are device hits, on C "
+            "mostly host hits (the first pass offloaded every history); kv_offload's queue drained around each "
+            "pass"), models)
+
     # ---- one request or run -----------------------------------------------------------------
 
     def replay(self, trace: list[RankingRequest], server: Server, model: str, concurrency: int) -> ReplayResult:
@@ -296,8 +338,9 @@ class Bench:
             logger.warning("%d errors, first: %s", len(result.errors), next(iter(result.errors.values())))
         return result
 
-    def measured_replay(self, server: Server, model: str, concurrency: int) -> MeasuredRun:
-        trace = self.fresh_trace()
+    def measured_replay(self, server: Server, model: str, concurrency: int,
+                        trace: list[RankingRequest] | None = None) -> MeasuredRun:
+        trace = self.fresh_trace() if trace is None else trace
         stats_before, metrics_before = read_model_stats(server.http_url), scrape(server.metrics_url)
         result = self.replay(trace, server, model, concurrency)
         stats_after = read_model_stats(server.http_url)
@@ -356,6 +399,13 @@ class Bench:
         before = _lookups(scrape(self.server.metrics_url), model)
         client.score(request)
         _lookups_published(self.server, _owner(model), before + 1)
+
+    def _trace(self, users: int, requests: int, **overrides) -> list[RankingRequest]:
+        m = self.model
+        return generate(TraceConfig(num_users=users, num_requests=requests, seed=self.cfg.seed, **overrides,
+                                    initial_events_median=self.cfg.initial_events_median,
+                                    max_history_events=m.max_history_events, item_vocab=m.item_vocab,
+                                    action_vocab=m.action_vocab))
 
     def _user(self) -> int:
         return int(self._rng.integers(10**9, 2 * 10**9))

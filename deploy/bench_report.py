@@ -24,6 +24,7 @@ from deploy.server_stats import LOOKUP_OUTCOMES
 THROUGHPUT_RATIO_GOAL = 2.0  # ensemble over monolithic at concurrency 8, CPU
 P99_RATIO_GOAL = 1.0
 OFFLOAD_P99_GOAL = 1.05  # p99 with offload on over off
+HOST_HIT_P99_GOAL = 1.5  # p99 of a host-hit-heavy load over an all-device-hit one, at c=8
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Goals:
     p99_ratio_c8: float | None = None
     offload_p99_on_over_off: float | None = None  # None: no offload comparison
     hop_overhead_ms: float | None = None
+    host_hit_p99_over_device: float | None = None  # None: no host_hits phase
 
     @property
     def c8_met(self) -> bool:
@@ -97,6 +99,10 @@ class Goals:
     @property
     def offload_met(self) -> bool:
         return self.offload_p99_on_over_off <= OFFLOAD_P99_GOAL
+
+    @property
+    def host_hit_met(self) -> bool:
+        return self.host_hit_p99_over_device <= HOST_HIT_P99_GOAL
 
 
 @dataclass
@@ -112,7 +118,7 @@ class BenchReport:
     command: list[str]
     bench_config: BenchConfig
     machine: Machine
-    servers: dict[str, ServerSetup]  # "A" (--store), and "B" (--store none) for the offload comparison
+    servers: dict[str, ServerSetup]  # "A" (--store), "B" (--store none) for the offload comparison, "C" (small pool)
     model: ServedModelInfo
     load_before: str  # the 1, 5 and 15 min load averages
     phases: PhaseResults = field(default_factory=PhaseResults)
@@ -148,6 +154,8 @@ def summarize(report: BenchReport) -> Summary:
         goals.offload_p99_on_over_off = phases.offload.models[ENSEMBLE].p99_on_over_off
     if phases.hop_overhead:
         goals.hop_overhead_ms = phases.hop_overhead.overhead_ms
+    if phases.host_hits:
+        goals.host_hit_p99_over_device = phases.host_hits.models[ENSEMBLE].p99_host_over_device
     return Summary(rows, goals, _warnings(report))
 
 
@@ -174,6 +182,15 @@ def format_summary(report: BenchReport) -> str:
         lines.append(f"offload on/off p99 at c={o.concurrency}: hstu_ranking {g.offload_p99_on_over_off:.2f} "
                      f"(goal <= {OFFLOAD_P99_GOAL:g}: {'MET' if g.offload_met else 'MISSED'}), "
                      f"hstu_monolithic {o.models[MONOLITHIC].p99_on_over_off:.2f}")
+    if g.host_hit_p99_over_device is not None:
+        hh = phases.host_hits
+        e, m = hh.models[ENSEMBLE], hh.models[MONOLITHIC]
+        lines.append(f"host-hit-heavy / all-device-hit p99 at c={hh.concurrency} (pool {hh.pool_pages['C']} vs "
+                     f"{hh.pool_pages['A']} pages): hstu_ranking {e.p99_host_over_device:.2f} "
+                     f"({e.host.p99_ms.median:.1f} vs {e.device.p99_ms.median:.1f} ms, {e.host_hit_rate:.0%} host "
+                     f"hits; goal <= {HOST_HIT_P99_GOAL:g}: {'MET' if g.host_hit_met else 'MISSED'}), "
+                     f"hstu_monolithic {m.p99_host_over_device:.2f} ({m.host.p99_ms.median:.1f} vs "
+                     f"{m.device.p99_ms.median:.1f} ms, {m.host_hit_rate:.0%} host hits)")
     if g.hop_overhead_ms is not None:
         h = phases.hop_overhead.models
         lines.append(f"hop overhead (2 events, 1 candidate, c=1): {g.hop_overhead_ms:+.2f} ms "

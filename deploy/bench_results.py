@@ -201,8 +201,25 @@ class OffloadComparison:
 
 
 @dataclass
+class HostHitSides:
+    device: RunsSummary  # on A: every history in the pool
+    host: RunsSummary  # on C: a small pool, histories onboarded from the host store
+    p99_host_over_device: float
+    p50_host_over_device: float
+    host_hit_rate: float  # C's lookups that were host hits (median over runs)
+
+
+@dataclass
+class HostHitLoad:
+    concurrency: int
+    pool_pages: dict[str, int]  # "A", "C"
+    method: str
+    models: dict[str, HostHitSides]
+
+
+@dataclass
 class PhaseResults:
-    """Everything measured on server A (and B for `offload`); None: the phase did not run."""
+    """Everything measured on server A (and B for `offload`, C for `host_hits`); None: the phase did not run."""
 
     sweep: Sweep | None = None
     perf_analyzer: list[PerfAnalyzerPoint] | None = None
@@ -210,6 +227,7 @@ class PhaseResults:
     hop_overhead: HopOverhead | None = None
     device_hit: list[DeviceHit] | None = None
     offload: OffloadComparison | None = None
+    host_hits: HostHitLoad | None = None
     # hstu_kv_* deltas per model between phase boundaries ("warmup", then each phase), and "total"
     kv_cache: dict[str, dict[str, KVCacheStats]] = field(default_factory=dict)
 
