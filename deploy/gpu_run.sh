@@ -7,9 +7,11 @@
 #   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
 #   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..128 over 128 users, so that
 #            c=128 keeps 128 requests in flight (a user's requests run in order); every score
-#            checked at every concurrency, clean-stop time), then hstu-bench's cache and device_hit phases
-#            (device hit / host hit / miss at 256..4,096 tokens; at 1,024 and 4,096 tokens a user's
-#            next request and a miss, back to back, with each model's Triton compute time)
+#            checked at every concurrency, clean-stop time), the same demo on a small pool (4,096 pages:
+#            host hits through the onboarding path, every score checked), then hstu-bench's cache,
+#            device_hit and host_hits phases (device hit / host hit / miss at 256..4,096 tokens; at 1,024
+#            and 4,096 tokens a user's next request and a miss, back to back, with each model's Triton
+#            compute time; p99 of a host-hit-heavy load over an all-device-hit one at c=8)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases,
 #            the store benchmark (embedded and flexkv side by side: GB/s vs a pinned copy), then,
@@ -83,8 +85,12 @@ for stage in "${STAGES[@]}"; do
       python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
         --users 128 --requests 512 --median-events 600 --concurrency 1 4 8 16 32 64 128 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
-      python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" --phases cache device_hit \
-        --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages 4096 \
+        --users 128 --requests 256 --median-events 600 --concurrency 1 8 16 \
+        --json-out "$OUT/gpu-demo-$name-pool4096.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool4096.log" | grep -v " INFO " || status=1
+      python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
+        --phases cache device_hit host_hits --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 \
+        | grep -v " INFO " || status=1
     done
   fi
 done

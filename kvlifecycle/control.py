@@ -160,7 +160,7 @@ class ControlServer:
                         self._onboard_waits.append((frames, waited))
                 now = time.monotonic()
                 if onboarding and now >= next_onboard_poll:
-                    self.manager.poll_onboards()
+                    self._poll_onboards()
                     next_onboard_poll = now + ONBOARD_POLL_S
                 if self._onboard_waits:
                     self._answer_settled_waits(sock)
@@ -178,6 +178,12 @@ class ControlServer:
             self.manager.expire_leases()
         except Exception:
             logger.error("expire_leases failed", exc_info=True)
+
+    def _poll_onboards(self) -> None:
+        try:
+            self.manager.poll_onboards()
+        except Exception:  # a bug: keep serving; the next poll tries again
+            logger.error("poll_onboards failed", exc_info=True)
 
     @staticmethod
     def _onboard_wait_leases(frames: list[bytes]) -> list[int] | None:
