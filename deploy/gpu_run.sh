@@ -5,34 +5,39 @@
 #   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
 #            independent of the pool, only the new tokens' rows written)
 #   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
-#   serve    for each GPU config: the ensemble vs monolithic sweep (c=1..128 over 128 users, so that
-#            c=128 keeps 128 requests in flight (a user's requests run in order); every score
-#            checked at every concurrency, clean-stop time), the same demo on a small pool (4,096 pages:
-#            host hits through the onboarding path, every score checked), then hstu-bench's cache,
-#            device_hit and host_hits phases (device hit / host hit / miss at 256..4,096 tokens; at 1,024
-#            and 4,096 tokens a user's next request and a miss, back to back, with each model's Triton
-#            compute time; p99 of a host-hit-heavy load over an all-device-hit one at c=8)
+#   serve    sweep, pooldemo and bench, for each GPU config:
+#   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
+#            128 requests in flight (a user's requests run in order); every score checked at every
+#            concurrency, clean-stop time)
+#   pooldemo the same demo on a small pool (2,048 pages, about half the trace's working set: host
+#            hits through the onboarding path, every score checked)
+#   bench    hstu-bench's phases $BENCH_PHASES (default: cache device_hit host_hits: device hit / host
+#            hit / miss at 256..4,096 tokens; at 1,024 and 4,096 tokens a user's next request and a
+#            miss, back to back, with each model's Triton compute time; p99 of a host-hit-heavy load
+#            over an all-device-hit one at c=8); "sweep perf_analyzer" adds the bench's own client
+#            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases,
 #            the store benchmark (embedded and flexkv side by side: GB/s vs a pinned copy), then,
 #            on the first config, the demo with --store flexkv at c=1 and 8 (every score checked)
 #            and hstu-bench's cache phase with each store (host hit at up to 4,096 tokens)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [compute] [serve] [flexkv] [--configs "small large"] [--tolerance 5e-2]
+#   deploy/gpu_run.sh [pytest] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance 5e-2]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL=5e-2
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|compute|serve|flexkv) STAGES+=("$1") ;;
+    pytest|compute|sweep|pooldemo|bench|flexkv) STAGES+=("$1") ;;
+    serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL="$2"; shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, sweep, pooldemo, bench, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(pytest compute serve)
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(pytest compute sweep pooldemo bench)
 POOL_PAGES=32768
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # AOTI packages built with the GPU image's default compiler segfault on load.
@@ -43,6 +48,8 @@ eval "$(deploy/setup_offline.sh .bundle)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu-host.txt"
 python3 -c "import torch, numpy, zmq, tritonclient.grpc; print('torch', torch.__version__, 'numpy', numpy.__version__)" \
   | tee -a "$OUT/gpu-host.txt"
+# perf_analyzer starts (its libraries come from the bundle's lib/): its first line of help
+"$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/perf_analyzer" --help 2>&1 | head -2 | tee -a "$OUT/gpu-host.txt" || true
 status=0
 
 for stage in "${STAGES[@]}"; do
@@ -78,20 +85,27 @@ for stage in "${STAGES[@]}"; do
     # Every server's own logs (tritonserver's model table names a model's load error in full).
     tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true
   fi
-  if [ "$stage" = serve ]; then
+  if [ "$stage" = sweep ] || [ "$stage" = pooldemo ] || [ "$stage" = bench ]; then
     python3 -m deploy.make_configs --device cuda
-    for name in $CONFIGS; do
-      config="deploy/configs/gpu_${name}_bf16.json"
+  fi
+  for name in $CONFIGS; do
+    config="deploy/configs/gpu_${name}_bf16.json"
+    if [ "$stage" = sweep ]; then
       python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
         --users 128 --requests 512 --median-events 600 --concurrency 1 4 8 16 32 64 128 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
-      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages 4096 \
+    fi
+    if [ "$stage" = pooldemo ]; then
+      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages 2048 \
         --users 128 --requests 256 --median-events 600 --concurrency 1 8 16 \
-        --json-out "$OUT/gpu-demo-$name-pool4096.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool4096.log" | grep -v " INFO " || status=1
+        --json-out "$OUT/gpu-demo-$name-pool2048.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool2048.log" | grep -v " INFO " || status=1
+    fi
+    if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
-        --phases cache device_hit host_hits --repeats 3 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 \
-        | grep -v " INFO " || status=1
-    done
-  fi
+        --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
+        --repeats "${BENCH_REPEATS:-3}" --no-offload-compare --out-dir "$OUT" 2>&1 \
+        | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
+    fi
+  done
 done
 exit $status

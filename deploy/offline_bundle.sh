@@ -4,6 +4,8 @@
 #   tritonserver.tar.xz tritonserver 2.51 + Python backend + the 3.12 stub + the libraries they
 #                       link, cut from the installed nvidia-pytriton wheel (its bundled
 #                       libpython 3.13 is left out: the 3.12 stub links the host's libpython).
+#   lib/                what tritonclient's perf_analyzer links beyond glibc: libb64.so.0d (Debian's
+#                       libb64-0d) and libcudart.so.12 (a CUDA 13 host has only .so.13)
 # Run here (after deploy/setup.sh); on the GPU host run deploy/setup_offline.sh BUNDLE_DIR.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,4 +27,6 @@ if [ ! -f "$OUT/tritonserver.tar.xz" ]; then
   (cd "$SITE" && tar -cJf "$OUT/tritonserver.tar.xz" --exclude='libpython3-*.13.so*' --exclude='__pycache__' \
      pytriton/tritonserver/bin pytriton/tritonserver/backends "$stub" nvidia_pytriton.libs)
 fi
+mkdir -p "$OUT/lib"
+cp -L /lib/x86_64-linux-gnu/libb64.so.0d "$SITE/nvidia/cuda_runtime/lib/libcudart.so.12" "$OUT/lib/"
 du -sh "$OUT"

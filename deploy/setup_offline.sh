@@ -12,6 +12,15 @@ PY="${PYTHON:-python3}"
 target=()
 [ -n "$SITE" ] && target=(--target "$SITE")
 "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade "${target[@]}" "$BUNDLE"/wheels/*.whl
+# perf_analyzer (from the tritonclient wheel, next to the Python without SITE_DIR): wrap it so
+# that it finds the bundle's lib/.
+pa="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")/perf_analyzer"
+if [ -z "$SITE" ] && [ -f "$pa" ] && head -c 4 "$pa" | grep -q ELF; then
+  mv "$pa" "$pa.bin"
+  printf '#!/usr/bin/env bash\nexport LD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"\nexec "%s.bin" "$@"\n' \
+    "$BUNDLE/lib" "$pa" > "$pa"
+  chmod +x "$pa"
+fi
 HOME_DIR="$BUNDLE/triton"
 if [ ! -x "$HOME_DIR/pytriton/tritonserver/bin/tritonserver" ]; then
   mkdir -p "$HOME_DIR" && tar -xJf "$BUNDLE/tritonserver.tar.xz" -C "$HOME_DIR"
