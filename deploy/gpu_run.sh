@@ -103,7 +103,7 @@ for stage in "${STAGES[@]}"; do
     if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
         --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
-        --repeats "${BENCH_REPEATS:-3}" --no-offload-compare --out-dir "$OUT" 2>&1 \
+        --repeats "${BENCH_REPEATS:-3}" --no-offload-compare --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
     fi
   done

@@ -471,8 +471,8 @@ runs hstu-serve: the store process and the models import it from there.
 """
 
 
-SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s", "mooncake_segment_bytes",
-                 "mooncake_local_hostname")  # the ServingSettings fields hstu-serve takes as options
+SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s", "commit_wait_s",
+                 "mooncake_segment_bytes", "mooncake_local_hostname")  # the ServingSettings fields hstu-serve takes as options
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Namespace]:

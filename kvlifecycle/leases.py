@@ -4,8 +4,10 @@ A lease is one request's claim on pages: read pins (refs + 1) on the committed p
 and the LEASED pages it writes. Operations, in the order a request calls them (invariant 3 of
 docs/ARCHITECTURE.md); each takes a batch of requests under one lock acquisition:
 
-1. ``match_prefixes(key_chains)``: for each chain, the committed pages of the longest prefix of
-   its keys (no state change).
+1. ``match_prefixes(key_chains, wait_s)``: for each chain, the committed pages of the longest
+   prefix of its keys (no state change). With ``wait_s``, a chain whose next page is being
+   written by a lease not committed yet first waits up to ``wait_s`` for that lease to end
+   (see "Pending commits" below).
 2. ``reserve_many(asks) -> [Lease | PoolExhausted]``: for each request, pins the device prefix
    and takes pages for the host-hit pages and every new token (free list first, then LRU
    eviction, oldest first). A request that does not fit gets its ``PoolExhausted`` in its place
@@ -28,6 +30,13 @@ onboard pages. ``finish_onboard`` moves those pages into a quarantine lease (use
 ``QUARANTINE_USER``, a negative lease id no caller ever sees, ``store_task`` the get, never
 expiring) and gives the request fresh pages; ``release_quarantine(task)`` frees them once the
 get is done. Quarantine leases are not counted as active leases or leased pages.
+
+Pending commits: the ensemble answers a request before its commit reaches the owner, so a user's
+next request can arrive while the previous one's pages are still LEASED under their keys. The
+table keeps, for each request lease, the keys of the pages it writes or onboards (``_writing``);
+``match_prefixes`` with ``wait_s > 0`` waits (on the table's condition, without holding the lock)
+for the leases those chains stop at, then matches again. A lease that never commits in time
+costs that request a recompute of those pages, never a wrong page.
 
 Promises: a page is handed out only after asserting nobody holds it; a page with refs > 0 is
 never evicted; a failed call changes nothing. Thread-safe: one lock around every public method;
@@ -60,7 +69,7 @@ COUNTERS = (  # always present in stats(), so dashboards see zeros
     "duplicate_pages", "commit_unknown_lease", "aborts", "leases_expired", "onboarded_pages",
     "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
     "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
-    "offload_done_unknown",
+    "offload_done_unknown", "commit_waits_committed", "commit_wait_timeouts",
 )
 QUARANTINE_USER = -1  # user of a lease holding pages a timed-out store get may still write
 
@@ -158,16 +167,29 @@ class LeaseTable:
         self.offload_ttl_s = offload_ttl_s
         self.clock = clock
         self._lock = threading.Lock()
+        self._lease_ended = threading.Condition(self._lock)  # notified when a lease commits or is released
         self._leases: dict[int, Lease] = {}  # request leases and quarantine leases
+        self._writing: dict[bytes, int] = {}  # key of a page a request lease writes or onboards -> lease id
         self._lease_ids = itertools.count(1)
         self._quarantine_ids = itertools.count(-1, -1)  # negative: never a caller's lease id
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
 
     # -- public API, in the order a request calls it --------------------------------------
 
-    def match_prefixes(self, key_chains: Sequence[Sequence[bytes]]) -> list[list[int]]:
-        """For each chain, the committed pages of the longest prefix of its keys."""
+    def match_prefixes(self, key_chains: Sequence[Sequence[bytes]], wait_s: float = 0.0) -> list[list[int]]:
+        """For each chain, the committed pages of the longest prefix of its keys. With ``wait_s``
+        > 0, when a chain stops at a page some lease is writing, wait up to ``wait_s`` seconds
+        (wall time) for those leases to commit or end, then match again."""
         with self._lock:
+            matches = [self.pages.match(keys) for keys in key_chains]
+            if wait_s <= 0:
+                return matches
+            awaited = {self._writing[keys[len(m)]] for keys, m in zip(key_chains, matches)
+                       if len(m) < len(keys) and keys[len(m)] in self._writing}
+            if not awaited:
+                return matches
+            ended = self._lease_ended.wait_for(lambda: awaited.isdisjoint(self._leases), timeout=wait_s)
+            self.counters["commit_waits_committed" if ended else "commit_wait_timeouts"] += 1
             return [self.pages.match(keys) for keys in key_chains]
 
     def reserve_many(self, asks: Sequence[ReserveAsk]) -> list[Lease | PoolExhausted]:
@@ -351,6 +373,10 @@ class LeaseTable:
                 for page in lease.exclusive_pages:
                     assert page not in owners, f"page {page} owned by leases {owners[page]} and {lid}"
                     owners[page] = lid
+            for key, lid in self._writing.items():
+                lease = self._leases.get(lid)
+                assert lease is not None and not lease.quarantined and key in lease.keys[lease.num_device_pages:], (
+                    f"pending key of lease {lid}: the lease is gone or does not write that page")
             self.pages.check_invariants(owners, read_refs)
 
     # -- helpers (call with the lock held) ------------------------------------------------
@@ -406,6 +432,8 @@ class LeaseTable:
             expires_at=self.clock() + ask.ttl_s,
         )
         self._leases[lease_id] = lease
+        for key in lease.keys[d:]:
+            self._writing[key] = lease_id
         self.counters["allocations"] += 1
         self.counters["cached_tokens_served"] += d * S
         return lease
@@ -448,7 +476,7 @@ class LeaseTable:
             f"LeaseTable.commit: lease {lease_id} committed before its onboard finished "
             "(caller must run onboard before compute)"
         )
-        del self._leases[lease_id]
+        self._end(lease)
         S = self.page_size
         num_full = lease.num_full_pages
         onboard_end = lease.num_device_pages + lease.num_onboard_pages
@@ -479,11 +507,19 @@ class LeaseTable:
         return Committed(lease_id, lease.namespace, tuple(items))
 
     def _release(self, lease: Lease) -> None:
-        del self._leases[lease.lease_id]
+        self._end(lease)
         for page in lease.exclusive_pages:
             self.pages.free(page, lease.lease_id)
         for page in lease.device_pages:
             self.pages.unpin(page)
+
+    def _end(self, lease: Lease) -> None:
+        """Forget a lease (commit or release) and wake the lookups waiting for it."""
+        del self._leases[lease.lease_id]
+        for key in lease.keys[lease.num_device_pages:]:
+            if self._writing.get(key) == lease.lease_id:
+                del self._writing[key]
+        self._lease_ended.notify_all()
 
     def _num_leased(self) -> int:
         return sum(len(lease.exclusive_pages) for lease in self._leases.values()

@@ -134,12 +134,16 @@ class KVCacheManager:
     the slowest compute). ``offload_ttl_s``: likewise for offload pins. ``store_timeout_s``:
     how long ``onboard`` waits for the host store before recomputing instead.
     ``min_host_pages``: the host store is asked only when at least this many full pages follow
-    the device prefix (``MIN_HOST_PAGES``)."""
+    the device prefix (``MIN_HOST_PAGES``). ``commit_wait_s``: how long a lookup waits for a lease
+    still writing the next page of its chain (a previous request answered before its commit
+    reached this table, as the ensemble does); 0: never wait (a caller that commits before it
+    answers, like hstu_monolithic)."""
 
     def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
                  *, offload: bool | None = None, lease_ttl_s: float = 30.0,
                  offload_ttl_s: float = 120.0, store_timeout_s: float = 2.0,
-                 min_host_pages: int = MIN_HOST_PAGES, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_host_pages: int = MIN_HOST_PAGES, commit_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not namespace:
             raise ValueError("KVCacheManager.namespace: expected a non-empty model fingerprint, got ''")
         self.spec = pool_spec
@@ -149,6 +153,7 @@ class KVCacheManager:
         self.lease_ttl_s = lease_ttl_s
         self.store_timeout_s = store_timeout_s
         self.min_host_pages = min_host_pages
+        self.commit_wait_s = commit_wait_s
         self.clock = clock
         self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
                                  offload_ttl_s=offload_ttl_s, clock=clock)
@@ -182,7 +187,7 @@ class KVCacheManager:
         requests with at least ``min_host_pages`` full pages beyond their device prefix."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
         chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
-        devices = self.leases.match_prefixes(chains)
+        devices = self.leases.match_prefixes(chains, self.commit_wait_s)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False

@@ -3,19 +3,23 @@ caller) and ``OffloadWorker`` (an ``Offloader`` on one background thread).
 
 ``Offloader`` is used directly by a process that owns the page table (hstu_monolithic, the
 torch ops: ``done`` is ``KVCacheManager.offload_done``). ``OffloadWorker`` is used by a process
-that does not own the page table (kv_offload). Call order:
+that does not own the page table (kv_offload), after it has answered the requests. Call order:
 
     worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
-    done = control.commit_many(lease_ids)         # per batch of finished requests: pages pinned for offload
-    worker.submit(c.namespace, token_ids, c.items)  # per Committed c; returns at once
+    worker.submit([(lease_id, token_ids), ...])   # per batch of answered requests; returns at once
     ...
-    left = worker.stop(flush_timeout_s)           # put what is queued, wait for every put
+    left = worker.stop(flush_timeout_s)           # commit and put what is queued, wait for every put
 
-For each submission the thread submits one `put_async` for the pages (`Offloader.launch`), and
-between submissions reaps finished puts (`Offloader.reap`), which reports each put to the owner
-(`control.offload_done`) so the pages are unpinned. Store trouble never blocks `submit`: a failed
-put is reported `ok=False` (the pages stay cached on the device, only the host copy is missing).
+The thread takes every batch queued since its last turn and commits their leases with the owner
+in one control round trip (``control.commit_many``: the pages become visible, those not in the
+host tier are pinned for offload); then, per lease, one ``put_async`` for its pages
+(``Offloader.launch``); between turns it reaps finished puts (``Offloader.reap``), which reports
+each put to the owner (``control.offload_done``) so the pages are unpinned. The owner's lookups
+wait briefly for a lease still being committed (``LeaseTable.match_prefixes``), so a user's next
+request still finds the pages. Store or control trouble never blocks ``submit``: a failed commit
+leaves the leases to expire on the owner, a failed put is reported ``ok=False`` (the pages stay
+cached on the device, only the host copy is missing).
 """
 from __future__ import annotations
 
@@ -143,12 +147,19 @@ class Offloader:
 
 
 class OffloadWorker:
-    def __init__(self, control, store, page_bytes: int, page_size: int,
-                 reap_interval_s: float = 0.005) -> None:
+    """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
+    registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
+    each commit round trip's time and size."""
+
+    def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
+                 before_put: Callable[[], None] = lambda: None,
+                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None) -> None:
         self.control = control
         self.store = store
         self.page_bytes = page_bytes
         self.reap_interval_s = reap_interval_s
+        self.before_put = before_put
+        self.on_commit = on_commit
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
@@ -157,15 +168,15 @@ class OffloadWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
-        """Queue the committed pages `items` of the request `token_ids` (keyed in the lease's
-        `namespace`) for offload; never blocks."""
-        if items:
-            self._queue.put((namespace, token_ids, items))
+    def submit(self, finished: Sequence[tuple[int, TokenIds]]) -> None:
+        """Queue answered requests, ``(lease id, token ids)`` each, to commit and offload; never
+        blocks."""
+        if finished:
+            self._queue.put(list(finished))
 
     def stop(self, flush_timeout_s: float) -> int:
-        """Put every queued page, wait up to `flush_timeout_s` for every put; returns the
-        number of puts still pending (0 when everything reached the host store)."""
+        """Commit and put everything queued, wait up to `flush_timeout_s` for every put; returns
+        the number of puts still pending (0 when everything reached the host store)."""
         self._queue.put(_STOP)
         self._thread.join()
         left = 0
@@ -191,12 +202,37 @@ class OffloadWorker:
                 item = self._queue.get(timeout=self.reap_interval_s if self._pending() else 0.5)
             except queue.Empty:
                 item = None
-            if item is _STOP:
+            finished, stop = [], False
+            while item is not None:  # everything queued meanwhile: one commit round trip
+                if item is _STOP:
+                    stop = True
+                    break
+                finished.extend(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if finished:
+                self._commit_and_put(finished)
+            if stop:
                 return
-            if item is not None:
-                self._put(*item)
             if self.offloader is not None:
                 self.offloader.reap()
+
+    def _commit_and_put(self, finished: list[tuple[int, TokenIds]]) -> None:
+        started = time.perf_counter()
+        try:
+            committed = self.control.commit_many([lease_id for lease_id, _ in finished])
+        except Exception:
+            logger.warning("commit of leases %s failed; their pages return on expiry",
+                           [lease_id for lease_id, _ in finished], exc_info=True)
+            return
+        self.on_commit(time.perf_counter() - started, len(finished))
+        if any(c.items for c in committed):
+            self.before_put()
+        for (_, token_ids), c in zip(finished, committed):
+            if c.items:
+                self._put(c.namespace, token_ids, c.items)
 
     def _put(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
         if self.offloader is None:

@@ -62,7 +62,9 @@ def open_store_client(settings: ServingSettings, page_size: int,
                       rpc_timeout_s=settings.store_timeout_s)
 
 
-def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
+def open_kv_cache(config, settings: ServingSettings, namespace: str, commit_wait_s: float = 0.0) -> OwnedKVCache:
+    """The owner's pool, store client and manager. ``commit_wait_s``: see ``KVCacheManager``
+    (the ensemble's owner waits, since kv_offload commits after it answers)."""
     pool = PagePool.create(pool_spec(config, settings))
     handle = pool.handle()
     store = open_store_client(settings, pool.spec.page_size, owned_pool=pool)
@@ -70,5 +72,5 @@ def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVC
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
                        settings.store_socket)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
-                             store_timeout_s=settings.timeouts.onboard_wait_s)
+                             store_timeout_s=settings.timeouts.onboard_wait_s, commit_wait_s=commit_wait_s)
     return OwnedKVCache(pool, handle, manager, store)

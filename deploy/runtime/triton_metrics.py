@@ -19,6 +19,9 @@ Series (stats key -> metric{labels}):
   offloaded_pages / offloaded_bytes -> hstu_kv_offloaded_{pages,bytes}_total
   reap_latency_s_sum / reaps -> hstu_kv_reap_latency_seconds_{sum,count}
   store_errors         -> hstu_kv_store_errors_total       failed or timed-out store calls
+  commit_waits_committed / commit_wait_timeouts -> hstu_kv_commit_waits_total{outcome=committed|timeout}
+                       lookups that waited for the previous request's commit (kv_offload commits
+                       after it answers); a timeout recomputes those pages
   stage_<s>_s_sum / stage_<s>_count -> hstu_kv_stage_seconds_{sum,count}{stage=<s>}
                        time spent per request in each stage of the KV lifecycle (STAGES)
 """
@@ -51,6 +54,10 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "reap_latency_s_sum": ("hstu_kv_reap_latency_seconds_sum", "counter", "Seconds from put to reap, summed", {}),
     "reaps": ("hstu_kv_reap_latency_seconds_count", "counter", "Offload tasks reaped", {}),
     "store_errors": ("hstu_kv_store_errors_total", "counter", "Failed or timed-out host store calls", {}),
+    "commit_waits_committed": ("hstu_kv_commit_waits_total", "counter",
+                               "Lookups that waited for a previous request's commit, by outcome", {"outcome": "committed"}),
+    "commit_wait_timeouts": ("hstu_kv_commit_waits_total", "counter",
+                             "Lookups that waited for a previous request's commit, by outcome", {"outcome": "timeout"}),
 }
 
 # Stages of a request, each timed where it runs: lookup, allocate and onboard_launch (starting a
@@ -72,7 +79,8 @@ def stage_keys(*stages: str) -> list[str]:
 
 
 OWNER_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
-              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors"]
+              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors", "commit_waits_committed",
+              "commit_wait_timeouts"]
 OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
                 "store_errors"]
 METRICS_INTERVAL_S = 1.0

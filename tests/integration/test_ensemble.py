@@ -45,8 +45,9 @@ def lookups(server: Server, outcome: str) -> float:
 
 def test_trace_over_8_streams_matches_reference_and_every_repeat_is_a_device_hit(server: Server,
                                                                                   reference) -> None:
-    """kv_offload commits a request's pages before it sends the answer, so a user's next request,
-    sent after that answer, finds them on the device. Each of the 8 streams owns whole users and
+    """kv_offload commits a request's pages after it sends the answer; a user's next request, sent
+    after that answer, waits in kv_lookup_alloc for a commit still on its way, so it finds them on
+    the device. Each of the 8 streams owns whole users and
     sends a user's requests in trace order, one at a time (`replay` with a route header)."""
     trace = generate(TraceConfig(num_users=20, num_requests=200, seed=1, initial_events_median=120))
     page_size = HSTUConfig.load(server.settings.model_dir).page_size

@@ -1,5 +1,8 @@
 """Scenarios of the KV-cache lifecycle on a tiny pool (8 pages of 4 tokens)."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -444,3 +447,47 @@ def test_a_refused_copy_is_settled_at_start_as_pages_to_compute(smgr, store):
     assert smgr.onboard_result(lease.lease_id).cached_len == 0
     smgr.abort(lease.lease_id)
     baseline_ok(smgr)
+
+
+# -- a lookup racing the previous request's commit (the ensemble commits after it answers) -----
+
+
+def test_lookup_waits_for_the_commit_of_the_lease_writing_its_next_page(tiny_spec, clock):
+    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
+    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))  # answered; commit on its way
+    committer = threading.Timer(0.05, m.commit, args=(first.lease_id,))
+    committer.start()
+    started = time.monotonic()
+    hit = m.lookup(1, list(range(12)))  # the user's next request
+    waited = time.monotonic() - started
+    committer.join()
+    assert hit.device_tokens == 8 and hit.outcome == "device_hit"
+    assert 0.04 < waited < 2.0
+    assert (m.stats()["commit_waits_committed"], m.stats()["commit_wait_timeouts"]) == (1, 0)
+    m.check_invariants()
+
+
+def test_lookup_recomputes_when_the_commit_does_not_come_in_time(tiny_spec, clock):
+    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=0.05)
+    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
+    started = time.monotonic()
+    hit = m.lookup(1, list(range(12)))
+    assert time.monotonic() - started < 1.0
+    assert hit.outcome == "miss"  # its pages are recomputed: slower, never wrong
+    assert m.stats()["commit_wait_timeouts"] == 1
+    m.abort(first.lease_id)  # the lease's pages return; nothing waits any more
+    assert m.lookup(1, list(range(12))).outcome == "miss"
+    assert m.stats()["commit_wait_timeouts"] == 1
+    m.check_invariants()
+
+
+def test_no_wait_without_commit_wait_or_for_other_histories(mgr):
+    first = mgr.allocate(1, list(range(8)), mgr.lookup(1, list(range(8))))
+    assert mgr.lookup(1, list(range(12))).outcome == "miss"  # commit_wait_s 0 (the monolithic)
+    waiting = KVCacheManager(mgr.spec, "ns", None, commit_wait_s=5.0)
+    waiting.allocate(1, list(range(8)), waiting.lookup(1, list(range(8))))
+    started = time.monotonic()
+    assert waiting.lookup(2, [9] * 12).outcome == "miss"  # another history: nothing to wait for
+    assert time.monotonic() - started < 1.0
+    assert waiting.stats()["commit_waits_committed"] + waiting.stats()["commit_wait_timeouts"] == 0
+    mgr.abort(first.lease_id)

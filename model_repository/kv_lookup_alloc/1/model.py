@@ -42,7 +42,10 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)
-        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
+        # kv_offload commits after it answers: a user's next request may find its previous
+        # request's pages not committed yet, and waits for them (ServingSettings.commit_wait_s)
+        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir),
+                                   commit_wait_s=self.settings.commit_wait_s)
         if self.cache.store is None:  # once per server: this is the ensemble's one cache owner
             logger.warning("kv_lookup_alloc: no host store (HSTU_STORE=%s): serving from the device cache alone, "
                            "so a history evicted from the page pool is recomputed. For the host tier, run "
