@@ -1,5 +1,5 @@
 """Control-plane round trip against a busy cache owner, at the default GIL switch interval and at
-the one the models set (`deploy/runtime/gil.py`).
+the one the models set (`kvlifecycle/gil.py`).
 
     python deploy/bench_control.py [--busy 0.7] [--requests 2000] [--report-dir deploy/reports]
 
@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy.bench_report import write_dated_report  # noqa: E402
-from deploy.runtime.gil import SWITCH_INTERVAL_S  # noqa: E402
+from kvlifecycle.gil import SWITCH_INTERVAL_S  # noqa: E402
 from kvlifecycle.control import ControlClient, ControlServer  # noqa: E402
 from kvlifecycle.manager import KVCacheManager  # noqa: E402
 from kvlifecycle.pool import PoolSpec  # noqa: E402

@@ -17,6 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
+from kvlifecycle.gil import hand_over_gil_promptly
 from kvlifecycle.store.backing import BackingFactory, LocalConfig
 from kvlifecycle.store.copy_worker import CopyWorker
 from kvlifecycle.store.pools import PoolRegistry
@@ -67,6 +68,7 @@ def serve(args: argparse.Namespace, worker: CopyWorker) -> int:
         make_backing = backing_factory(args)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"python -m kvlifecycle.store: {e}") from None
+    hand_over_gil_promptly()  # the socket thread answers get_match while the copy thread runs Python
     server = StoreServer(config, PoolRegistry(make_backing), worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

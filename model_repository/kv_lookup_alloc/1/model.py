@@ -24,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.runtime import published
 from deploy.runtime.cache_owner import open_kv_cache
-from deploy.runtime.gil import hand_over_gil_promptly
+from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys

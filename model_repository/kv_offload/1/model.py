@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from compute import HSTUConfig, history_tokens
 from deploy.runtime import published
 from deploy.runtime.cache_owner import open_store_client, pool_spec
-from deploy.runtime.gil import hand_over_gil_promptly
+from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
