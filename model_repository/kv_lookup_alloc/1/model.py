@@ -38,6 +38,8 @@ logger = logging.getLogger("kv_lookup_alloc")
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Small tensor ops only: intra-op threads would spin on cores hstu_compute needs.
+        torch.set_num_threads(1)
         hand_over_gil_promptly()  # the control plane's thread answers commits while execute runs
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()

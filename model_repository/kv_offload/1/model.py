@@ -15,6 +15,7 @@ pending offload before returning.
 import logging
 import time
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, history_tokens
@@ -34,6 +35,8 @@ FLUSH_TIMEOUT_S = 60.0
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Small tensor ops only: intra-op threads would spin on cores hstu_compute needs.
+        torch.set_num_threads(1)
         hand_over_gil_promptly()  # execute and the offload worker share this process's GIL
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
