@@ -303,7 +303,10 @@ class Bench:
                 for side in (("device", "host") if r % 2 == 0 else ("host", "device")):
                     server = self.server if side == "device" else small
                     trace = self.fresh_trace(self.host_hit_base)
-                    self.replay(trace, server, model, c)  # caches every history (A), or offloads it (C)
+                    lookups_before = _lookups(scrape(server.metrics_url), model)
+                    first = self.replay(trace, server, model, c)  # caches every history (A), or offloads it (C)
+                    # its lookups (misses) published before the timed pass reads its own
+                    _lookups_published(server, _owner(model), lookups_before + len(first.scores))
                     _drain_offloads(server)
                     runs[model][side].append(self.measured_replay(server, model, c, trace))
                     _drain_offloads(server)
