@@ -43,15 +43,18 @@ def lookups(server: Server, outcome: str) -> float:
     return metric(server, "hstu_kv_lookups_total", model="kv_lookup_alloc", outcome=outcome)
 
 
-def test_trace_over_8_streams_matches_reference_and_every_repeat_is_a_device_hit(server: Server,
-                                                                                  reference) -> None:
+def test_trace_over_8_streams_matches_reference_and_repeats_find_their_pages(server: Server,
+                                                                              reference) -> None:
     """kv_offload commits a request's pages after it sends the answer; a user's next request, sent
-    after that answer, waits in kv_lookup_alloc for a commit still on its way, so it finds them on
-    the device. Each of the 8 streams owns whole users and
-    sends a user's requests in trace order, one at a time (`replay` with a route header)."""
+    after that answer, waits in kv_lookup_alloc for a commit still on its way (up to
+    HSTU_COMMIT_WAIT_S), so it finds them on the device. A repeat that is not a device hit must be
+    one whose wait timed out (counted), never a commit lost or a key that does not match. Each of
+    the 8 streams owns whole users and sends a user's requests in trace order, one at a time
+    (`replay` with a route header)."""
     trace = generate(TraceConfig(num_users=20, num_requests=200, seed=1, initial_events_median=120))
     page_size = HSTUConfig.load(server.settings.model_dir).page_size
     before = {o: lookups(server, o) for o in ("device_hit", "host_hit", "miss")}
+    timeouts_before = commit_wait_timeouts(server)
     previous: dict[int, int] = {}  # user -> history events of the user's previous request
     repeats_with_a_full_page = 0
     for r in trace:
@@ -65,9 +68,16 @@ def test_trace_over_8_streams_matches_reference_and_every_repeat_is_a_device_hit
     wait_for(lambda: sum(lookups(server, o) - n for o, n in before.items()) >= len(trace), 30,
              f"kv_lookup_alloc's lookup counters to count {len(trace)} lookups")
     seen = {o: lookups(server, o) - n for o, n in before.items()}
-    assert seen["device_hit"] == repeats_with_a_full_page, (
+    timed_out = commit_wait_timeouts(server) - timeouts_before
+    assert repeats_with_a_full_page - timed_out <= seen["device_hit"] <= repeats_with_a_full_page, (
         f"{seen}: expected a device hit for each of the {repeats_with_a_full_page} repeat requests whose user's "
-        f"previous request had a full page ({len(trace) - len(previous)} repeat requests)")
+        f"previous request had a full page ({len(trace) - len(previous)} repeat requests), less the "
+        f"{timed_out:.0f} whose wait for the previous commit timed out")
+    assert timed_out <= repeats_with_a_full_page // 20, f"{timed_out:.0f} commit waits timed out: the commit lags"
+
+
+def commit_wait_timeouts(server: Server) -> float:
+    return metric(server, "hstu_kv_commit_waits_total", model="kv_lookup_alloc", outcome="timeout")
 
 
 def test_committed_configs_are_the_generator_output() -> None:

@@ -6,7 +6,7 @@ background `OffloadWorker`, which commits every lease queued since its last turn
 (kv_lookup_alloc) in one control round trip, puts the committed pages into the host store, and
 reaps finished puts. Committing after the answer takes the control round trip (0.6-1.2 ms on the
 H200 host) off every request and off this model's `execute`; a user's next request, which can
-arrive before that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 5 ms by default),
+arrive before that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 20 ms by default),
 so it still finds the pages. The model is not decoupled: the offload never ran inside
 `execute`, and a decoupled sender costs a synchronous round trip to the server per send.
 `finalize` (model unload, server stop) flushes: it commits what is queued and waits for every
