@@ -11,11 +11,13 @@ that does not own the page table (kv_offload), after it has answered the request
     ...
     left = worker.stop(flush_timeout_s)           # commit and put what is queued, wait for every put
 
-The thread takes every batch queued since its last turn and commits their leases with the owner
-in one control round trip (``control.commit_many``: the pages become visible, those not in the
-host tier are pinned for offload); then, per lease, one ``put_async`` for its pages
-(``Offloader.launch``); between turns it reaps finished puts (``Offloader.reap``), which reports
-each put to the owner (``control.offload_done``) so the pages are unpinned. The owner's lookups
+A commit thread takes every batch queued since its last turn and commits their leases with the
+owner in one control round trip (``control.commit_many``: the pages become visible, those not in
+the host tier are pinned for offload). A put thread then submits, per lease, one ``put_async``
+for its pages (``Offloader.launch``), and between turns reaps finished puts
+(``Offloader.reap``), which reports each put to the owner (``control.offload_done``) so the
+pages are unpinned. A put waits up to the store's RPC timeout when the store is slow or down;
+on its own thread it never holds up a commit. The owner's lookups
 wait briefly for a lease still being committed (``LeaseTable.match_prefixes``), so a user's next
 request still finds the pages. Store or control trouble never blocks ``submit``: a failed commit
 leaves the leases to expire on the owner, a failed put is reported ``ok=False`` (the pages stay
@@ -149,36 +151,42 @@ class Offloader:
 class OffloadWorker:
     """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
     registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
-    each commit round trip's time and size."""
+    each commit round trip's time and size. Two threads: one commits, one puts and reaps, so a
+    slow or dead host store (a put waits up to its RPC timeout) never delays a commit, which the
+    owner's lookups and its free pages wait for."""
 
     def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
                  before_put: Callable[[], None] = lambda: None,
                  on_commit: Callable[[float, int], None] = lambda seconds, leases: None) -> None:
-        self.control = control
+        self.control = control  # ControlClient: thread-safe, used by both threads
         self.store = store
         self.page_bytes = page_bytes
         self.reap_interval_s = reap_interval_s
         self.before_put = before_put
         self.on_commit = on_commit
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="offload-worker", daemon=True)
+        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, token ids), then _STOP
+        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, token ids, items), then _STOP
+        self._commit_thread = threading.Thread(target=self._commit_loop, name="offload-commit", daemon=True)
+        self._put_thread = threading.Thread(target=self._put_loop, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
         self.offloader = (Offloader(store, page_size, self._done) if store is not None else None)
 
     def start(self) -> None:
-        self._thread.start()
+        self._commit_thread.start()
+        self._put_thread.start()
 
     def submit(self, finished: Sequence[tuple[int, TokenIds]]) -> None:
         """Queue answered requests, ``(lease id, token ids)`` each, to commit and offload; never
         blocks."""
         if finished:
-            self._queue.put(list(finished))
+            self._answered.put(list(finished))
 
     def stop(self, flush_timeout_s: float) -> int:
         """Commit and put everything queued, wait up to `flush_timeout_s` for every put; returns
         the number of puts still pending (0 when everything reached the host store)."""
-        self._queue.put(_STOP)
-        self._thread.join()
+        self._answered.put(_STOP)
+        self._commit_thread.join()  # it forwards _STOP to the put thread after its last commit
+        self._put_thread.join()
         left = 0
         if self.offloader is not None:
             self.offloader.flush(flush_timeout_s)
@@ -187,7 +195,8 @@ class OffloadWorker:
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
-        stats["offload_queue_depth"] = self._queue.qsize() + (self.offloader.pending if self.offloader else 0)
+        stats["offload_queue_depth"] = (self._answered.qsize() + self._to_put.qsize()
+                                        + (self.offloader.pending if self.offloader else 0))
         if self.offloader is not None:
             stats.update(self.offloader.counters)
         if self.store is not None:
@@ -196,30 +205,17 @@ class OffloadWorker:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _commit_loop(self) -> None:
         while True:
-            try:
-                item = self._queue.get(timeout=self.reap_interval_s if self._pending() else 0.5)
-            except queue.Empty:
-                item = None
-            finished, stop = [], False
-            while item is not None:  # everything queued meanwhile: one commit round trip
-                if item is _STOP:
-                    stop = True
-                    break
-                finished.extend(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
+            batches, stop = _drain(self._answered, self._answered.get())  # one commit round trip for all
+            finished = [request for batch in batches for request in batch]
             if finished:
-                self._commit_and_put(finished)
+                self._commit(finished)
             if stop:
+                self._to_put.put(_STOP)
                 return
-            if self.offloader is not None:
-                self.offloader.reap()
 
-    def _commit_and_put(self, finished: list[tuple[int, TokenIds]]) -> None:
+    def _commit(self, finished: list[tuple[int, TokenIds]]) -> None:
         started = time.perf_counter()
         try:
             committed = self.control.commit_many([lease_id for lease_id, _ in finished])
@@ -228,11 +224,26 @@ class OffloadWorker:
                            [lease_id for lease_id, _ in finished], exc_info=True)
             return
         self.on_commit(time.perf_counter() - started, len(finished))
-        if any(c.items for c in committed):
-            self.before_put()
-        for (_, token_ids), c in zip(finished, committed):
-            if c.items:
-                self._put(c.namespace, token_ids, c.items)
+        puts = [(c.namespace, token_ids, c.items) for (_, token_ids), c in zip(finished, committed) if c.items]
+        if puts:
+            self._to_put.put(puts)
+
+    def _put_loop(self) -> None:
+        while True:
+            try:
+                first = self._to_put.get(timeout=self.reap_interval_s if self._pending() else 0.5)
+            except queue.Empty:
+                first = None
+            batches, stop = _drain(self._to_put, first) if first is not None else ([], False)
+            if batches:
+                self.before_put()
+                for puts in batches:
+                    for put in puts:
+                        self._put(*put)
+            if stop:
+                return
+            if self.offloader is not None:
+                self.offloader.reap()
 
     def _put(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
         if self.offloader is None:
@@ -248,3 +259,15 @@ class OffloadWorker:
 
     def _pending(self) -> bool:
         return self.offloader is not None and self.offloader.pending > 0
+
+
+def _drain(q: queue.Queue, first) -> tuple[list, bool]:
+    """``first`` and everything queued after it, up to _STOP: (the items, whether _STOP came)."""
+    items, item = [], first
+    while item is not _STOP:
+        items.append(item)
+        try:
+            item = q.get_nowait()
+        except queue.Empty:
+            return items, False
+    return items, True
