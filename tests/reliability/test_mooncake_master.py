@@ -67,10 +67,13 @@ def mooncake_server(tmp_path_factory):
         master.process.stop()
 
 
-def evict(client: RankingClient, first_user: int) -> None:
-    """Push every committed page out of the device pool: two max-length histories, one at a time."""
+def evict(server: LocalServer, client: RankingClient, first_user: int) -> None:
+    """Push every committed page out of the device pool: two max-length histories, one at a time.
+    Each fills half the pool, and its pages stay pinned until their offload is reaped (kv_offload
+    offloads after it answers), so the second waits for the first's offload."""
     for i in range(2):
         client.score(history(first_user + i, 2048, candidates=1))
+        wait_drained(server)
 
 
 def grown(r: RankingRequest) -> RankingRequest:
@@ -103,7 +106,7 @@ def test_dead_master_costs_recompute_within_the_store_timeout_then_service_recov
             check_scores(reference, r, client.score(r), what="master dead,")
             took = time.monotonic() - start
             assert took < OUTAGE_REQUEST_S, f"user {r.user_id} took {took:.1f}s with the master dead (a stall)"
-        evict(client, first_user=9200)
+        evict(server, client, first_user=9200)
         before = owner_stats(server)
         start = time.monotonic()
         again = grown(grown(user))
@@ -126,7 +129,7 @@ def test_dead_master_costs_recompute_within_the_store_timeout_then_service_recov
 
         wait_for(probe_reaches_the_tier, 120, "an offload to reach the restarted master", interval_s=1.0)
         back = probes[-1]
-        evict(client, first_user=9400)
+        evict(server, client, first_user=9400)
         before = owner_stats(server)
         check_scores(reference, grown(back), client.score(grown(back)), what="host hit after the restart,")
         after = wait_drained(server)
