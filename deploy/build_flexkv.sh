@@ -6,7 +6,10 @@
 # SRC is a FlexKV source tree with its submodules (`git clone --recursive`) or a .tar.gz of one.
 # The build lands in DIR (default: .flexkv/ in this checkout), where the launcher finds it:
 #   DIR/src          the built source tree (`import flexkv` from here)
-#   DIR/env.sh       PYTHONPATH / LD_LIBRARY_PATH lines for a shell (`. DIR/env.sh`)
+#   DIR/env.sh       the LD_LIBRARY_PATH (and PYTHONPATH) lines for a shell (`. DIR/env.sh`)
+#   hstu-flexkv.pth  in $PYTHON's site-packages: puts DIR/src and DIR/site on sys.path of every
+#                    process of that Python. Triton's Python-backend stub ignores PYTHONPATH (it
+#                    builds sys.path from the `python3` on PATH), and the pool's owner runs there.
 #   DIR/stamp        what was built (source digest, torch, arch); a rerun with the same stamp is a no-op
 # --wheels DIR       install FlexKV's Python dependencies (nvtx, expiring-dict, pyzmq) from wheels in
 #                    DIR without a registry (an air-gapped host); without it they come from pip's index
@@ -23,7 +26,7 @@ while [ $# -gt 0 ]; do
     --prefix) PREFIX="$2"; shift ;;
     --wheels) WHEELS="$2"; shift ;;
     --liburing) URING="$2"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [ -z "$SRC" ] || die "one SRC expected, got '$SRC' and '$1'"; SRC="$1" ;;
   esac
@@ -64,9 +67,16 @@ if [ -d "$SRC" ]; then digest=$(cd "$SRC" && find . -path ./build -prune -o -typ
   -o -name '*.cu' -o -name '*.h' -o -name 'CMakeLists.txt' \) -print0 | sort -z | xargs -0 cat | sha256sum | cut -c1-16)
 else digest=$(sha256sum "$SRC" | cut -c1-16); fi
 stamp="src=$digest torch=$("$PYTHON" -c 'import torch; print(torch.__version__)') arch=$TORCH_CUDA_ARCH_LIST"
+install_pth() {
+  local site
+  site=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  printf '%s\n%s\n' "$PREFIX/src" "$PREFIX/site" >"$site/hstu-flexkv.pth" \
+    || die "cannot write $site/hstu-flexkv.pth (run as the owner of $PYTHON's site-packages)"
+}
 if [ -f "$PREFIX/stamp" ] && [ "$(cat "$PREFIX/stamp")" = "$stamp" ] \
    && PYTHONPATH="$PREFIX/src:$PREFIX/site:${PYTHONPATH:-}" LD_LIBRARY_PATH="$PREFIX/src/flexkv/lib:${URING_LIB}:${LD_LIBRARY_PATH:-}" \
       "$PYTHON" -c "import flexkv.c_ext" 2>/dev/null; then
+  install_pth
   echo "build_flexkv.sh: FlexKV already built in $PREFIX ($stamp)"; exit 0
 fi
 
@@ -100,5 +110,6 @@ ENV
 . "$PREFIX/env.sh"
 "$PYTHON" -c "from flexkv.kvmanager import KVManager; from flexkv.server.client import KVTPClient" \
   || die "the build finished but \`import flexkv\` fails (see above)"
+install_pth
 echo "$stamp" >"$PREFIX/stamp"
 echo "build_flexkv.sh: built FlexKV in $(( $(date +%s) - t0 )) s into $PREFIX; use it with: . $PREFIX/env.sh"

@@ -17,10 +17,12 @@
 #            over an all-device-hit one at c=8); "sweep perf_analyzer" adds the bench's own client
 #            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
-#            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases,
-#            the store benchmark (embedded and flexkv side by side: GB/s vs a pinned copy), then,
-#            on the first config, the demo with --store flexkv at c=1 and 8 (every score checked)
-#            and hstu-bench's cache phase with each store (host hit at up to 4,096 tokens)
+#            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases and
+#            the --store flexkv serving tests (tests/integration/test_serve_flexkv.py), the store
+#            benchmark (embedded and flexkv side by side: GB/s vs a pinned copy) for each FlexKV
+#            copy-kernel width in $FLEXKV_CTA_SWEEP, then, on the first config, hstu-bench's
+#            $FLEXKV_BENCH_PHASES (default "cache offload": device/host hit and miss up to 4,096
+#            tokens; p99 with offload on/off at c=8) with each store
 # Stages run in the order given.
 #   deploy/gpu_run.sh [pytest] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance 5e-2]
 set -euo pipefail
@@ -67,20 +69,21 @@ for stage in "${STAGES[@]}"; do
     bash deploy/build_flexkv.sh "${FLEXKV_SRC:?flexkv stage: set FLEXKV_SRC to a FlexKV source tree or .tar.gz}" \
       --prefix .flexkv ${FLEXKV_BUILD_ARGS:-} 2>&1 | tee "$OUT/gpu-flexkv-build.log" || status=1
     . .flexkv/env.sh
-    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py 2>&1 \
-      | grep -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
-    python3 deploy/bench_store.py --device cuda --stores embedded flexkv --layers 3 --heads 4 --head-dim 128 \
-      --dtype bfloat16 --report-dir "$OUT" 2>&1 | grep -v " INFO " | tee "$OUT/gpu-store-bench.log" || status=1
-    python3 -m deploy.make_configs --device cuda
+    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py \
+      tests/integration/test_serve_flexkv.py 2>&1 | grep -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
+    # FlexKV's GPU<->CPU copy kernel runs on FLEXKV_TRANSFER_NUM_CTA_{H2D,D2H} thread blocks
+    # (FlexKV's default 4; the store process defaults to kvlifecycle.store.flexkv.TRANSFER_CTAS).
+    for ctas in ${FLEXKV_CTA_SWEEP:-4 16 32}; do
+      FLEXKV_TRANSFER_NUM_CTA_H2D=$ctas FLEXKV_TRANSFER_NUM_CTA_D2H=$ctas python3 deploy/bench_store.py --device cuda \
+        --stores embedded flexkv --layers 3 --heads 4 --head-dim 128 --dtype bfloat16 --report-dir "$OUT/store-cta$ctas" \
+        2>&1 | grep -v " INFO " | tee "$OUT/gpu-store-bench-cta$ctas.log" || status=1
+    done
     name="${CONFIGS%% *}"
-    config="deploy/configs/gpu_${name}_bf16.json"
-    python3 -m deploy.demo --device cuda --store flexkv --model-config "$config" --tolerance "$TOL" \
-      --pool-pages "$POOL_PAGES" --users 40 --requests 200 --median-events 600 --concurrency 1 8 \
-      --json-out "$OUT/gpu-demo-flexkv-$name.json" 2>&1 | tee "$OUT/gpu-demo-flexkv-$name.log" | grep -v " INFO " || status=1
     for store in flexkv embedded; do
-      python3 -m deploy.bench --device cuda --store "$store" --model-config "$config" --pool-pages "$POOL_PAGES" \
-        --phases cache --repeats 2 --no-perf-analyzer --no-offload-compare --out-dir "$OUT" 2>&1 \
-        | grep -v " INFO " | tee "$OUT/gpu-bench-cache-$store.log" || status=1
+      [ -n "${FLEXKV_BENCH_PHASES-cache offload}" ] || break  # set to "" to skip
+      python3 -m deploy.bench --device cuda --store "$store" --model-config "deploy/configs/gpu_${name}_bf16.json" \
+        --pool-pages "$POOL_PAGES" --phases ${FLEXKV_BENCH_PHASES-cache offload} --repeats 2 --no-perf-analyzer \
+        --out-dir "$OUT/bench-$store" 2>&1 | grep -v " INFO " | tee "$OUT/gpu-bench-$store.log" || status=1
     done
     # Every server's own logs (tritonserver's model table names a model's load error in full).
     tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true

@@ -466,8 +466,8 @@ beyond loopback (--host neither localhost nor a loopback address such as 127.0.0
   logs are in RUN_DIR/nginx/. Ctrl-C stops nginx, then tritonserver, then the store.
 
 --store flexkv: FlexKV (not on PyPI) as the host tier, on --device cuda only. Build it once with
-deploy/build_flexkv.sh SRC (a FlexKV clone or tarball), then `. .flexkv/env.sh` in the shell that
-runs hstu-serve: the store process and the models import it from there.
+deploy/build_flexkv.sh SRC (a FlexKV clone or tarball; it puts FlexKV on this Python's sys.path with
+a .pth file), then `. .flexkv/env.sh` (its library path) in the shell that runs hstu-serve.
 """
 
 

@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["FlexKVStoreClient", "FlexKVStoreServer", "flexkv_unavailable_reason", "gpu_register_endpoint"]
 
 READY_TIMEOUT_S = 120.0  # FlexKV spawns its transfer process and opens the pool: seconds, not ms
+# Thread blocks of FlexKV's GPU<->CPU copy kernel, each way (FLEXKV_TRANSFER_NUM_CTA_H2D/_D2H win when
+# set). FlexKV's own default is 4.
+TRANSFER_CTAS = 4
 
 
 def flexkv_unavailable_reason() -> str | None:
@@ -71,11 +74,14 @@ def flexkv_unavailable_reason() -> str | None:
     # FlexKV reads its settings from the environment once, at import. Unless told otherwise it
     # starts an MPS daemon, which changes how every process shares the GPU: never ours to start.
     os.environ.setdefault("FLEXKV_ENABLE_MPS", "0")
+    for way in ("H2D", "D2H"):
+        os.environ.setdefault(f"FLEXKV_TRANSFER_NUM_CTA_{way}", str(TRANSFER_CTAS))
     try:
         import flexkv.kvmanager  # noqa: F401
     except ImportError as e:
         return (f"FlexKV is not importable ({e}): it is not on PyPI; build it with "
-                f"deploy/build_flexkv.sh SRC and source the env.sh it writes")
+                f"deploy/build_flexkv.sh SRC (it installs a .pth into this Python's site-packages) and "
+                f"source the env.sh it writes")
     return None
 
 
@@ -119,8 +125,10 @@ class FlexKVStoreClient(StoreProcessClient):
             self._register_memory(pool)
         except Exception as e:  # a misbuilt FlexKV: say so where the owner fails to load
             raise RuntimeError(f"flexkv: handing pool {pool}'s memory to FlexKV's transfer engine failed in this "
-                               f"process ({type(e).__name__}: {e}); FlexKV must import here too (. .flexkv/env.sh "
-                               f"before hstu-serve)") from e
+                               f"process ({type(e).__name__}: {e}); FlexKV must import here too: Triton's "
+                               f"Python-backend stub ignores PYTHONPATH, so run deploy/build_flexkv.sh with "
+                               f"this Python (it installs hstu-flexkv.pth into its site-packages) and "
+                               f". .flexkv/env.sh before hstu-serve") from e
         self._registered_memory.add(key)
         return self._wait_ready(pool) if first else True
 
