@@ -1,7 +1,9 @@
 """Micro-benchmark of the host stores (not a test): offload (put_async + wait) and onboard
 (get_async + wait) bandwidth for 1, 8, 64 and 512 pages per call, next to a plain torch copy of
 the same bytes between the pool and host memory, and their ratio; each store in `--stores`, one
-after the other, in one run.
+after the other, in one run. Two ways per size: one call at a time (each waited for: a request's
+latency, fixed costs included) and streaming (every call submitted, then all waited for: the
+bandwidth a loaded server gets), each against the torch copies done the same way.
 
     .venv/bin/python deploy/bench_store.py [--device cpu|cuda] [--stores embedded flexkv]
         [--layers 8 --heads 4 --head-dim 64 --page-size 32 --dtype float32] [--repeats 20]
@@ -105,24 +107,18 @@ def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> 
     slot_map = slots_for_pages(pages, spec.page_size).numpy()
     seqs = [np.arange(n * spec.page_size, dtype=np.int64) + 1_000_000 * (i + 1) for i in range(calls)]
 
-    t0 = time.perf_counter()
-    for seq in seqs:  # distinct sequences: every call really copies
-        task = store.put_async(seq, slot_map, "bench")
-        status = store.wait([task], timeout_s=60)[task]
-        assert status is Status.SUCCESS, f"offload of {n} pages: {status}"
-    offload_s = (time.perf_counter() - t0) / calls
-
     onboard_slots = slots_for_pages(list(range(n, 2 * n)), spec.page_size).numpy()
     mask = np.ones(n * spec.page_size, dtype=bool)
-    t0 = time.perf_counter()
-    for seq in seqs:
-        task = store.get_async(seq, onboard_slots, "bench", mask)
-        status = store.wait([task], timeout_s=60)[task]
-        assert status is Status.SUCCESS, f"onboard of {n} pages: {status}"
-    onboard_s = (time.perf_counter() - t0) / calls
+    put = lambda seq: store.put_async(seq, slot_map, "bench")  # noqa: E731
+    get = lambda seq: store.get_async(seq, onboard_slots, "bench", mask)  # noqa: E731
+    offload_s = _timed(store, put, seqs, "offload", streaming=False)  # distinct sequences: every call copies
+    onboard_s = _timed(store, get, seqs, "onboard", streaming=False)
     assert torch.equal(pool.tensor[:, n:2 * n], pool.tensor[:, :n]), "onboarded pages differ"
+    streamed = [seq + 500_000 for seq in seqs]  # not stored yet (the tier evicts the oldest to hold them)
+    offload_stream_s = _timed(store, put, streamed, "offload", streaming=True)
+    onboard_stream_s = _timed(store, get, streamed, "onboard", streaming=True)
 
-    d2h_s, h2d_s = _plain_copies(pool, n, calls)
+    (d2h_s, h2d_s), (d2h_stream_s, h2d_stream_s) = _plain_copies(pool, n, calls)
     gbps = lambda seconds: nbytes / seconds / 1e9  # noqa: E731
     return {
         "pages_per_call": n,
@@ -135,35 +131,63 @@ def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> 
         "onboard_ratio": h2d_s / onboard_s,
         "offload_ms_per_call": offload_s * 1e3,
         "onboard_ms_per_call": onboard_s * 1e3,
+        "streaming_offload_gbps": gbps(offload_stream_s),
+        "streaming_onboard_gbps": gbps(onboard_stream_s),
+        "streaming_torch_pool_to_host_gbps": gbps(d2h_stream_s),
+        "streaming_torch_host_to_pool_gbps": gbps(h2d_stream_s),
+        "streaming_offload_ratio": d2h_stream_s / offload_stream_s,
+        "streaming_onboard_ratio": h2d_stream_s / onboard_stream_s,
     }
 
 
-def _plain_copies(pool: PagePool, n: int, calls: int) -> tuple[float, float]:
-    """Seconds per call of a plain copy of the same bytes: pool pages <-> a host tensor."""
-    src = pool.tensor[:, :n]
+def _timed(store: Any, submit: Callable[[np.ndarray], int], seqs: list[np.ndarray], what: str,
+           streaming: bool) -> float:
+    """Seconds per call of `submit(seq)` over `seqs`: each waited for, or all submitted then waited for."""
+    t0 = time.perf_counter()
+    if streaming:
+        tasks = [submit(seq) for seq in seqs]
+        statuses = store.wait(tasks, timeout_s=120)
+    else:
+        statuses = {}
+        for seq in seqs:
+            task = submit(seq)
+            statuses.update(store.wait([task], timeout_s=60))
+    elapsed = (time.perf_counter() - t0) / len(seqs)
+    bad = {t: s for t, s in statuses.items() if s is not Status.SUCCESS}
+    assert not bad, f"{what}{' (streaming)' if streaming else ''}: {len(bad)} call(s) not SUCCESS: {set(bad.values())}"
+    return elapsed
+
+
+def _plain_copies(pool: PagePool, n: int, calls: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Seconds per call of a plain copy of the same bytes, pool pages -> a host tensor and back:
+    (each synchronized, all queued then synchronized once)."""
+    src, dst = pool.tensor[:, :n], pool.tensor[:, n:2 * n]
     host = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
     sync: Callable[[], None] = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     host.copy_(src)
     sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        host.copy_(src, non_blocking=True)
+
+    def per_call(copy: Callable[[], Any], streaming: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            copy()
+            if not streaming:
+                sync()
         sync()
-    d2h = (time.perf_counter() - t0) / calls
-    dst = pool.tensor[:, n:2 * n]
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        dst.copy_(host, non_blocking=True)
-        sync()
-    h2d = (time.perf_counter() - t0) / calls
-    return d2h, h2d
+        return (time.perf_counter() - t0) / calls
+
+    d2h = lambda: host.copy_(src, non_blocking=True)  # noqa: E731
+    h2d = lambda: dst.copy_(host, non_blocking=True)  # noqa: E731
+    return (per_call(d2h, False), per_call(h2d, False)), (per_call(d2h, True), per_call(h2d, True))
 
 
 def _format(row: dict[str, Any]) -> str:
     return (f"{row['store']:>8} {row['pages_per_call']:>3} pages ({row['bytes_per_call'] / 2**20:7.2f} MiB): "
             f"offload {row['offload_gbps']:6.2f} GB/s vs torch {row['torch_pool_to_host_gbps']:6.2f} "
             f"(x{row['offload_ratio']:.2f}) | onboard {row['onboard_gbps']:6.2f} GB/s vs torch "
-            f"{row['torch_host_to_pool_gbps']:6.2f} (x{row['onboard_ratio']:.2f})")
+            f"{row['torch_host_to_pool_gbps']:6.2f} (x{row['onboard_ratio']:.2f}) | streaming: offload "
+            f"{row['streaming_offload_gbps']:6.2f} (x{row['streaming_offload_ratio']:.2f}), onboard "
+            f"{row['streaming_onboard_gbps']:6.2f} (x{row['streaming_onboard_ratio']:.2f})")
 
 
 if __name__ == "__main__":

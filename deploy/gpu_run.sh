@@ -69,7 +69,7 @@ for stage in "${STAGES[@]}"; do
     bash deploy/build_flexkv.sh "${FLEXKV_SRC:?flexkv stage: set FLEXKV_SRC to a FlexKV source tree or .tar.gz}" \
       --prefix .flexkv ${FLEXKV_BUILD_ARGS:-} 2>&1 | tee "$OUT/gpu-flexkv-build.log" || status=1
     . .flexkv/env.sh
-    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py \
+    python3 -m pytest -q -s -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py \
       tests/integration/test_serve_flexkv.py 2>&1 | grep -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
     # FlexKV's GPU<->CPU copy kernel runs on FLEXKV_TRANSFER_NUM_CTA_{H2D,D2H} thread blocks
     # (FlexKV's default 4; the store process defaults to kvlifecycle.store.flexkv.TRANSFER_CTAS).
@@ -82,7 +82,7 @@ for stage in "${STAGES[@]}"; do
     for store in flexkv embedded; do
       [ -n "${FLEXKV_BENCH_PHASES-cache offload}" ] || break  # set to "" to skip
       python3 -m deploy.bench --device cuda --store "$store" --model-config "deploy/configs/gpu_${name}_bf16.json" \
-        --pool-pages "$POOL_PAGES" --phases ${FLEXKV_BENCH_PHASES-cache offload} --repeats 2 --no-perf-analyzer \
+        --pool-pages "$POOL_PAGES" --phases ${FLEXKV_BENCH_PHASES-cache offload} --repeats "${FLEXKV_BENCH_REPEATS:-2}" --no-perf-analyzer \
         --out-dir "$OUT/bench-$store" 2>&1 | grep -v " INFO " | tee "$OUT/gpu-bench-$store.log" || status=1
     done
     # Every server's own logs (tritonserver's model table names a model's load error in full).
