@@ -8,11 +8,13 @@ docs/ARCHITECTURE.md); each takes a batch of requests under one lock acquisition
    prefix of its keys (no state change). With ``wait_s``, a chain whose next page is being
    written by a lease not committed yet first waits up to ``wait_s`` for that lease to end
    (see "Pending commits" below).
-2. ``reserve_many(asks) -> [Lease | PoolExhausted]``: for each request, pins the device prefix
-   and takes pages for the host-hit pages and every new token (free list first, then LRU
+2. ``reserve_many(asks, wait_s) -> [Lease | PoolExhausted]``: for each request, pins the device
+   prefix and takes pages for the host-hit pages and every new token (free list first, then LRU
    eviction, oldest first). A request that does not fit gets its ``PoolExhausted`` in its place
-   and changes nothing. The lease keeps what the request's lookup fixed: its namespace, page
-   keys and token ids (nothing later re-hashes).
+   and changes nothing; with ``wait_s``, one that would fit once the pages held by other leases
+   and by offloads in flight come back first waits up to ``wait_s`` (a long request right
+   after another one, on a pool the first one's offload still pins). The lease keeps what the
+   request's lookup fixed: its namespace, page keys and token ids (nothing later re-hashes).
 3. optional ``begin_onboard`` / ``finish_onboard(ok_pages)``: while an onboard is in flight the
    lease neither expires nor is released by ``abort`` (the abort is deferred to
    ``finish_onboard``), so the store never writes into a page someone else owns. Onboard pages
@@ -34,8 +36,8 @@ get is done. Quarantine leases are not counted as active leases or leased pages.
 Pending commits: the ensemble answers a request before its commit reaches the owner, so a user's
 next request can arrive while the previous one's pages are still LEASED under their keys. The
 table keeps, for each request lease, the keys of the pages it writes or onboards (``_writing``);
-``match_prefixes`` with ``wait_s > 0`` waits (on the table's condition, without holding the lock)
-for the leases those chains stop at, then matches again. A lease that never commits in time
+``match_prefixes`` with ``wait_s > 0`` waits (on the table's condition ``_changed``, without
+holding the lock) for the leases those chains stop at, then matches again. A lease that never commits in time
 costs that request a recompute of those pages, never a wrong page.
 
 Promises: a page is handed out only after asserting nobody holds it; a page with refs > 0 is
@@ -69,7 +71,7 @@ COUNTERS = (  # always present in stats(), so dashboards see zeros
     "duplicate_pages", "commit_unknown_lease", "aborts", "leases_expired", "onboarded_pages",
     "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
     "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
-    "offload_done_unknown", "commit_waits_committed", "commit_wait_timeouts",
+    "offload_done_unknown", "commit_waits_committed", "commit_wait_timeouts", "pool_waits",
 )
 QUARANTINE_USER = -1  # user of a lease holding pages a timed-out store get may still write
 
@@ -167,7 +169,9 @@ class LeaseTable:
         self.offload_ttl_s = offload_ttl_s
         self.clock = clock
         self._lock = threading.Lock()
-        self._lease_ended = threading.Condition(self._lock)  # notified when a lease commits or is released
+        # Notified when a lease ends (commit, release) or offload pins drop: what a waiting lookup
+        # or reservation waits for.
+        self._changed = threading.Condition(self._lock)
         self._leases: dict[int, Lease] = {}  # request leases and quarantine leases
         self._writing: dict[bytes, int] = {}  # key of a page a request lease writes or onboards -> lease id
         self._lease_ids = itertools.count(1)
@@ -188,22 +192,32 @@ class LeaseTable:
                        if len(m) < len(keys) and keys[len(m)] in self._writing}
             if not awaited:
                 return matches
-            ended = self._lease_ended.wait_for(lambda: awaited.isdisjoint(self._leases), timeout=wait_s)
+            ended = self._changed.wait_for(lambda: awaited.isdisjoint(self._leases), timeout=wait_s)
             self.counters["commit_waits_committed" if ended else "commit_wait_timeouts"] += 1
             return [self.pages.match(keys) for keys in key_chains]
 
-    def reserve_many(self, asks: Sequence[ReserveAsk]) -> list[Lease | PoolExhausted]:
+    def reserve_many(self, asks: Sequence[ReserveAsk], wait_s: float = 0.0) -> list[Lease | PoolExhausted]:
         """For each ask in order, pin the committed prefix and take pages for the rest; see the
         module docstring. ``ask.host_pages`` counts pages from position 0 the host store has;
         those beyond the device prefix are reserved for onboarding. A request the pool cannot
-        hold gets its ``PoolExhausted`` in its place and changes nothing."""
+        hold gets its ``PoolExhausted`` in its place and changes nothing. ``wait_s``: the most
+        one call waits (wall time, lock released) for held pages to come back."""
         out: list[Lease | PoolExhausted] = []
+        deadline = time.monotonic() + wait_s
         with self._lock:
             for ask in asks:
-                try:
-                    out.append(self._reserve(ask))
-                except PoolExhausted as e:
-                    out.append(e)
+                while True:
+                    try:
+                        out.append(self._reserve(ask))
+                        break
+                    except PoolExhausted as e:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or not self._fits_once_held_pages_return(ask):
+                            self.counters["pool_exhausted"] += 1
+                            out.append(e)
+                            break
+                        self.counters["pool_waits"] += 1
+                        self._changed.wait(timeout=left)
         return out
 
     def get_lease(self, lease_id: int) -> Lease | None:
@@ -303,6 +317,7 @@ class LeaseTable:
                 logger.warning("offload pins of %d pages expired without offload_done", len(stale))
                 self.counters["offload_pins_expired"] += len(stale)
                 self.pages.drop_offload_pins(stale, ok=False)
+                self._changed.notify_all()
             return expired
 
     def offload_done(self, page_ids: Iterable[int], ok: bool) -> int:
@@ -317,6 +332,7 @@ class LeaseTable:
                 self.counters["offload_done_unknown"] += len(pages) - len(pinned)
             self.pages.drop_offload_pins(pinned, ok)
             self.counters["offloads_ok" if ok else "offloads_failed"] += len(pinned)
+            self._changed.notify_all()
             return len(pinned)
 
     def release_quarantine(self, in_flight: object) -> int:
@@ -405,7 +421,6 @@ class LeaseTable:
         free = self.pages.num_free
         evictable = self.pages.num_available(device_set) - free
         if need > free + evictable:
-            self.counters["pool_exhausted"] += 1
             raise PoolExhausted(
                 f"user {ask.user_id}: need {need} free pages ({num_tokens} tokens, {d} pages "
                 f"cached on device) but only {free} are free and {evictable} "
@@ -514,12 +529,19 @@ class LeaseTable:
             self.pages.unpin(page)
 
     def _end(self, lease: Lease) -> None:
-        """Forget a lease (commit or release) and wake the lookups waiting for it."""
+        """Forget a lease (commit or release) and wake the lookups and reservations waiting."""
         del self._leases[lease.lease_id]
         for key in lease.keys[lease.num_device_pages:]:
             if self._writing.get(key) == lease.lease_id:
                 del self._writing[key]
-        self._lease_ended.notify_all()
+        self._changed.notify_all()
+
+    def _fits_once_held_pages_return(self, ask: ReserveAsk) -> bool:
+        """Whether ``ask`` would fit if every lease but quarantine ones ended and every offload
+        pin dropped: only then is waiting worth it."""
+        need = -(-int(ask.tokens.size) // self.page_size) - len(self.pages.match(ask.keys))
+        held = self._num_leased() + self.pages.num_pinned()
+        return need <= self.pages.num_free + self.pages.num_evictable + held
 
     def _num_leased(self) -> int:
         return sum(len(lease.exclusive_pages) for lease in self._leases.values()

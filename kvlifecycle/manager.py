@@ -137,13 +137,15 @@ class KVCacheManager:
     the device prefix (``MIN_HOST_PAGES``). ``commit_wait_s``: how long a lookup waits for a lease
     still writing the next page of its chain (a previous request answered before its commit
     reached this table, as the ensemble does); 0: never wait (a caller that commits before it
-    answers, like hstu_monolithic)."""
+    answers, like hstu_monolithic). ``pool_wait_s``: how long a request the pool cannot hold now
+    waits for pages other requests or offloads in flight still hold, before ``PoolExhausted``
+    (0: fail at once)."""
 
     def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
                  *, offload: bool | None = None, lease_ttl_s: float = 30.0,
                  offload_ttl_s: float = 120.0, store_timeout_s: float = 2.0,
                  min_host_pages: int = MIN_HOST_PAGES, commit_wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 pool_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not namespace:
             raise ValueError("KVCacheManager.namespace: expected a non-empty model fingerprint, got ''")
         self.spec = pool_spec
@@ -154,6 +156,7 @@ class KVCacheManager:
         self.store_timeout_s = store_timeout_s
         self.min_host_pages = min_host_pages
         self.commit_wait_s = commit_wait_s
+        self.pool_wait_s = pool_wait_s
         self.clock = clock
         self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
                                  offload_ttl_s=offload_ttl_s, clock=clock)
@@ -235,7 +238,7 @@ class KVCacheManager:
             ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
                        host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl)
             for hit in hits
-        ])
+        ], wait_s=self.pool_wait_s)
 
     def onboard(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Copy the host-hit pages into the reserved pages and wait. On any store failure the

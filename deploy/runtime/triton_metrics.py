@@ -22,6 +22,9 @@ Series (stats key -> metric{labels}):
   commit_waits_committed / commit_wait_timeouts -> hstu_kv_commit_waits_total{outcome=committed|timeout}
                        lookups that waited for the previous request's commit (kv_offload commits
                        after it answers); a timeout recomputes those pages
+  pool_waits / pool_exhausted -> hstu_kv_pool_waits_total / hstu_kv_pool_exhausted_total
+                       reservations that waited for pages held by other requests or by offloads
+                       in flight; requests refused for want of pages (a retryable error)
   stage_<s>_s_sum / stage_<s>_count -> hstu_kv_stage_seconds_{sum,count}{stage=<s>}
                        time spent per request in each stage of the KV lifecycle (STAGES)
 """
@@ -58,6 +61,9 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
                                "Lookups that waited for a previous request's commit, by outcome", {"outcome": "committed"}),
     "commit_wait_timeouts": ("hstu_kv_commit_waits_total", "counter",
                              "Lookups that waited for a previous request's commit, by outcome", {"outcome": "timeout"}),
+    "pool_waits": ("hstu_kv_pool_waits_total", "counter",
+                   "Reservations that waited for pages held by other requests or offloads in flight", {}),
+    "pool_exhausted": ("hstu_kv_pool_exhausted_total", "counter", "Requests refused for want of device pages", {}),
 }
 
 # Stages of a request, each timed where it runs: lookup, allocate and onboard_launch (starting a
@@ -80,7 +86,7 @@ def stage_keys(*stages: str) -> list[str]:
 
 OWNER_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
               "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors", "commit_waits_committed",
-              "commit_wait_timeouts"]
+              "commit_wait_timeouts", "pool_waits", "pool_exhausted"]
 OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
                 "store_errors"]
 METRICS_INTERVAL_S = 1.0

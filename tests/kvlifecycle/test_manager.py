@@ -491,3 +491,37 @@ def test_no_wait_without_commit_wait_or_for_other_histories(mgr):
     assert time.monotonic() - started < 1.0
     assert waiting.stats()["commit_waits_committed"] + waiting.stats()["commit_wait_timeouts"] == 0
     mgr.abort(first.lease_id)
+
+
+# -- a request the pool cannot hold yet (pages pinned by the previous request's offload) ---------
+
+
+def test_a_request_waits_for_offload_pins_to_drop_then_fits(tiny_spec, store, clock):
+    m = KVCacheManager(tiny_spec, "ns", store, clock=clock, pool_wait_s=5.0)
+    _, items = serve(m, 1, list(range(32)))  # the whole pool, committed and pinned for offload
+    dropper = threading.Timer(0.05, m.offload_done, args=([it.page_id for it in items], True))
+    dropper.start()
+    started = time.monotonic()
+    alloc = m.allocate(2, list(range(100, 132)))  # the whole pool again: fits once the pins drop
+    waited = time.monotonic() - started
+    dropper.join()
+    assert 0.04 < waited < 2.0 and len(alloc.page_row) == 8
+    assert m.stats()["pool_waits"] >= 1 and m.stats()["pool_exhausted"] == 0
+    m.abort(alloc.lease_id)
+    m.check_invariants()
+
+
+def test_a_request_fails_after_the_wait_or_at_once_when_it_could_never_fit(tiny_spec, store, clock):
+    m = KVCacheManager(tiny_spec, "ns", store, clock=clock, pool_wait_s=0.1)
+    _, items = serve(m, 1, list(range(32)))
+    started = time.monotonic()
+    with pytest.raises(PoolExhausted):
+        m.allocate(2, list(range(100, 132)))  # the pins never drop: waits its 0.1 s, then fails
+    assert 0.09 < time.monotonic() - started < 2.0
+    started = time.monotonic()
+    with pytest.raises(PoolExhausted):
+        m.allocate(3, list(range(200, 240)))  # 10 pages of an 8-page pool: no wait
+    assert time.monotonic() - started < 0.05
+    assert m.stats()["pool_exhausted"] == 2
+    m.offload_done([it.page_id for it in items], True)
+    baseline_ok(m)
