@@ -12,8 +12,9 @@ On `fault_server` (small pool, fault injection):
   are counted, and the restarted store is reconnected (offloads and host hits again);
 - the host store slow (`tests/slow_store.py`, copies 3 s late): an onboard times out and is recomputed, no hang,
   and the wait for it is hstu_compute's, not kv_lookup_alloc's (the owner launched the copy and answered);
-- the pool exhausted by concurrent long requests (while hstu_compute is busy, so none can commit
-  and free room): "pool exhausted" or correct scores, never a hang.
+- the pool under pressure from concurrent long requests (while hstu_compute is busy, so none can
+  commit and free room): they wait for the pages held, then correct scores or "pool exhausted",
+  never a hang.
 """
 from __future__ import annotations
 
@@ -235,14 +236,15 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
     wait_drained(fault_server, timeout_s=120)  # quarantined pages return once the store's task ends
 
 
-def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(fault_server: FaultServer,
-                                                                               reference) -> None:
+def test_pool_pressure_from_concurrent_long_requests_waits_or_errors_clearly_never_hangs(fault_server: FaultServer,
+                                                                                         reference) -> None:
     """A long request (128 pages) keeps hstu_compute busy (about 0.7 s) while 10 requests of 64
     pages each pass kv_lookup_alloc (a few ms each): none of them can commit (and make its pages
-    evictable) before the long one is done, and at most 4 fit in the 256 pages it leaves of 384:
-    the pool is exhausted, and the refused requests say so."""
+    evictable) before the long one is done, and at most 4 fit in the 256 pages it leaves of 384.
+    The others wait for the pages the earlier ones hold (the owner's pool wait) and are served
+    once those commit, or, past the wait, are refused saying the pool is exhausted."""
     wait_drained(fault_server)  # nothing leased or pinned: every other page is free or evictable
-    exhausted_before = owner_stats(fault_server)["pool_exhausted"]
+    before = owner_stats(fault_server)
     long = blocker(4099, seed=3)
     requests = [history(4000 + i, 1024, candidates=8, seed=3) for i in range(10)]
 
@@ -261,12 +263,12 @@ def test_pool_exhausted_by_concurrent_long_requests_errors_clearly_never_hangs(f
             assert isinstance(outcome, np.ndarray), f"user {request.user_id}: {outcome!r}"
             check_scores(reference, request, outcome)
             tally["ok"] += 1
-    wait_drained(fault_server)
-    exhausted = owner_stats(fault_server)["pool_exhausted"] - exhausted_before
+    after = wait_drained(fault_server)
+    waits, exhausted = (after[k] - before[k] for k in ("pool_waits", "pool_exhausted"))
     print(f"10 concurrent 1024-event requests behind a {BLOCKER_EVENTS}-event one on {FAULT_POOL_PAGES} pages: "
-          f"{tally}; pool_exhausted counter +{exhausted}")
-    assert tally["pool exhausted"] > 0, f"the pool was never exhausted: {tally}"
+          f"{tally}; pool_waits +{waits}, pool_exhausted +{exhausted}")
+    assert waits > 0, f"no request waited for pages: the pool was never under pressure ({tally})"
     assert exhausted == tally["pool exhausted"]
-    # Once the pool drained, a request refused before is served.
-    with RankingClient(fault_server.grpc_url) as client:
-        check_scores(reference, refused, client.score(refused), what="retried,")
+    if refused is not None:  # once the pool drained, a request refused before is served
+        with RankingClient(fault_server.grpc_url) as client:
+            check_scores(reference, refused, client.score(refused), what="retried,")
