@@ -31,14 +31,15 @@ __all__ = ["Ids", "check_ids", "check_request", "history_tokens", "ids_as_tensor
 Ids = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 
-def history_tokens(item_ids: Ids, action_ids: Ids, config: HSTUConfig) -> torch.Tensor:
+def history_tokens(item_ids: Ids, action_ids: Ids, config: HSTUConfig, checked: bool = False) -> torch.Tensor:
     """int64 tensor [2n] ``[item_0, item_vocab + action_0, item_1, ...]`` (CPU).
 
     Raises ``ValueError`` naming the field when the ids break the contract (see
-    ``check_request``; candidates are not checked here)."""
+    ``check_request``; candidates are not checked here). ``checked``: the caller validated these
+    ids already (``check_request``), skip doing it again."""
     items = ids_as_tensor(item_ids, "item_ids")
     actions = ids_as_tensor(action_ids, "action_ids")
-    error = _check_history(items, actions, config)
+    error = None if checked else _check_history(items, actions, config)
     if error is not None:
         raise ValueError(error)
     tokens = torch.stack([items, actions + config.item_vocab], dim=1)  # [n, 2]
@@ -67,9 +68,9 @@ def check_ids(name: str, ids: torch.Tensor, low: int, high: int) -> str | None:
     first offending position and value."""
     if ids.numel() == 0:
         return None
-    bad = (ids < low) | (ids >= high)
-    if bool(bad.any()):
-        position = int(bad.nonzero()[0, 0])
+    smallest, largest = torch.aminmax(ids)  # one pass; the offender is looked for only when there is one
+    if int(smallest) < low or int(largest) >= high:
+        position = int(((ids < low) | (ids >= high)).nonzero()[0, 0])
         return (f"{name}: expected ids in [{low}, {high - 1}], "
                 f"got {int(ids[position])} at position {position}")
     return None

@@ -7,14 +7,15 @@ that does not own the page table (kv_offload), after it has answered the request
 
     worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
-    worker.submit([(lease_id, token_ids), ...])   # per batch of answered requests; returns at once
+    worker.submit([(lease_id, history), ...])     # per batch of answered requests; returns at once
     ...
     left = worker.stop(flush_timeout_s)           # commit and put what is queued, wait for every put
 
 A commit thread takes every batch queued since its last turn and commits their leases with the
 owner in one control round trip (``control.commit_many``: the pages become visible, those not in
-the host tier are pinned for offload). A put thread then submits, per lease, one ``put_async``
-for its pages (``Offloader.launch``), and between turns reaps finished puts
+the host tier are pinned for offload). A put thread then turns each lease's ``history`` into its
+token ids (``tokens_of``: only for leases with pages to put, and off the request's path) and
+submits one ``put_async`` for its pages (``Offloader.launch``), and between turns reaps finished puts
 (``Offloader.reap``), which reports each put to the owner (``control.offload_done``) so the
 pages are unpinned. A put waits up to the store's RPC timeout when the store is slow or down;
 on its own thread it never holds up a commit. The owner's lookups
@@ -151,21 +152,24 @@ class Offloader:
 class OffloadWorker:
     """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
     registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
-    each commit round trip's time and size. Two threads: one commits, one puts and reaps, so a
+    each commit round trip's time and size; ``tokens_of(history)`` gives a submitted request's
+    token ids (default: ``history`` is them). Two threads: one commits, one puts and reaps, so a
     slow or dead host store (a put waits up to its RPC timeout) never delays a commit, which the
     owner's lookups and its free pages wait for."""
 
     def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
                  before_put: Callable[[], None] = lambda: None,
-                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None) -> None:
+                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None,
+                 tokens_of: Callable[[object], TokenIds] = lambda history: history) -> None:
         self.control = control  # ControlClient: thread-safe, used by both threads
         self.store = store
         self.page_bytes = page_bytes
         self.reap_interval_s = reap_interval_s
         self.before_put = before_put
         self.on_commit = on_commit
-        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, token ids), then _STOP
-        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, token ids, items), then _STOP
+        self.tokens_of = tokens_of
+        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, history), then _STOP
+        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, history, items), then _STOP
         self._commit_thread = threading.Thread(target=self._commit_loop, name="offload-commit", daemon=True)
         self._put_thread = threading.Thread(target=self._put_loop, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
@@ -175,9 +179,10 @@ class OffloadWorker:
         self._commit_thread.start()
         self._put_thread.start()
 
-    def submit(self, finished: Sequence[tuple[int, TokenIds]]) -> None:
-        """Queue answered requests, ``(lease id, token ids)`` each, to commit and offload; never
-        blocks."""
+    def submit(self, finished: Sequence[tuple[int, object]]) -> None:
+        """Queue answered requests, ``(lease id, history)`` each, to commit and offload; never
+        blocks. ``history`` is what ``tokens_of`` takes (it must not share memory with a request
+        that ends when ``execute`` returns)."""
         if finished:
             self._answered.put(list(finished))
 
@@ -215,7 +220,7 @@ class OffloadWorker:
                 self._to_put.put(_STOP)
                 return
 
-    def _commit(self, finished: list[tuple[int, TokenIds]]) -> None:
+    def _commit(self, finished: list[tuple[int, object]]) -> None:
         started = time.perf_counter()
         try:
             committed = self.control.commit_many([lease_id for lease_id, _ in finished])
@@ -224,7 +229,7 @@ class OffloadWorker:
                            [lease_id for lease_id, _ in finished], exc_info=True)
             return
         self.on_commit(time.perf_counter() - started, len(finished))
-        puts = [(c.namespace, token_ids, c.items) for (_, token_ids), c in zip(finished, committed) if c.items]
+        puts = [(c.namespace, history, c.items) for (_, history), c in zip(finished, committed) if c.items]
         if puts:
             self._to_put.put(puts)
 
@@ -245,11 +250,17 @@ class OffloadWorker:
             if self.offloader is not None:
                 self.offloader.reap()
 
-    def _put(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
+    def _put(self, namespace: str, history: object, items: Sequence[OffloadItem]) -> None:
         if self.offloader is None:
             self._done([it.page_id for it in items], False)
-        else:
-            self.offloader.launch(namespace, token_ids, items)
+            return
+        try:
+            token_ids = self.tokens_of(history)
+        except Exception:  # a bug: these pages stay on the device only, unpinned now
+            logger.warning("offload: the token ids of a committed request could not be made", exc_info=True)
+            self._done([it.page_id for it in items], False)
+            return
+        self.offloader.launch(namespace, token_ids, items)
 
     def _done(self, page_ids: list[int], ok: bool) -> None:
         if ok:

@@ -70,7 +70,7 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 r = read_ranking_request(request, self.config)
-                parsed[i] = (r, history_tokens(r.item_ids, r.action_ids, self.config))
+                parsed[i] = (r, history_tokens(r.item_ids, r.action_ids, self.config, checked=True))
             except BadRequest as e:
                 responses[i] = error_response(str(e))
             except Exception as e:  # a bug must fail this request only, not the batch

@@ -1,10 +1,11 @@
 """kv_offload: answer, then commit and offload off the request's critical path.
 
 Dynamic batching hands `execute` every queued request. It answers them with the scores and
-hands each one's lease id and history (the store keys pages by their token ids) to the
+hands each one's lease id and history (copied: the request's buffers end with `execute`) to the
 background `OffloadWorker`, which commits every lease queued since its last turn with the owner
 (kv_lookup_alloc) in one control round trip, puts the committed pages into the host store, and
-reaps finished puts. Committing after the answer takes the control round trip (0.6-1.2 ms on the
+reaps finished puts. The token ids the store keys pages by are made there, only for the
+requests with pages to put (kv_lookup_alloc validated every history already). Committing after the answer takes the control round trip (0.6-1.2 ms on the
 H200 host) off every request and off this model's `execute`; a user's next request, which can
 arrive before that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 20 ms by default),
 so it still finds the pages. The model is not decoupled: the offload never ran inside
@@ -48,26 +49,26 @@ class TritonPythonModel:
         self.stages = StageTimer()
         self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size,
                                     before_put=self._register_owner_pool,
-                                    on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases))
+                                    on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases),
+                                    tokens_of=lambda history: history_tokens(*history, self.config, checked=True))
         self.worker.start()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OFFLOAD_KEYS + stage_keys("commit"),
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
         responses = []
-        finished = []  # (lease id, history tokens)
+        finished = []  # (lease id, (item ids, action ids))
         for request in requests:
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
                 lease_id = int(input_tensor(request, "lease_id").reshape(-1)[0])
-                tokens = history_tokens(input_tensor(request, "item_ids").reshape(-1),
-                                        input_tensor(request, "action_ids").reshape(-1), self.config)
+                history = tuple(input_tensor(request, name).reshape(-1).clone() for name in ("item_ids", "action_ids"))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 responses.append(error_response(f"kv_offload: {e}"))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)]))
-            finished.append((lease_id, tokens))
+            finished.append((lease_id, history))
         self.worker.submit(finished)  # returns at once; the worker thread commits and offloads
         return responses
 
