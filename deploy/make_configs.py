@@ -90,7 +90,7 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
         # gained from a decoupled sender, whose every send costs a synchronous round trip to
         # the server (about 1.7 ms on the CPU machine).
         _python_model(schema.OFFLOAD, lifecycle_max_batch_size)
-        + _io("input", (*compute_out, schema.LEASE_ID, *schema.OFFLOAD_HISTORY_INPUTS), batched=True)
+        + _io("input", (*compute_out, schema.COMPUTE_PLAN, *schema.OFFLOAD_HISTORY_INPUTS), batched=True)
         + _io("output", (scores,), batched=True)
         + _dynamic_batching(queue_delay_us)
         # Any number: each instance commits through the owner and offloads with its own worker.
@@ -123,9 +123,9 @@ def _ensemble_steps(num_tasks: int) -> str:
     steps = [
         step(schema.LOOKUP, {s.name: s.name for s in schema.ENSEMBLE_INPUTS}, lookup_out),
         step(schema.COMPUTE, lookup_out, compute_out),
-        # kv_offload reads the lease id from kv_lookup_alloc, and the history from the request:
-        # the host store keys the pages it offloads by their token ids.
-        step(schema.OFFLOAD, {**compute_out, schema.LEASE_ID.name: lookup_out[schema.LEASE_ID.name],
+        # kv_offload reads the lease id from kv_lookup_alloc's plan, and the history from the
+        # request: the host store keys the pages it offloads by their token ids.
+        step(schema.OFFLOAD, {**compute_out, schema.COMPUTE_PLAN.name: lookup_out[schema.COMPUTE_PLAN.name],
                               **{s.name: s.name for s in schema.OFFLOAD_HISTORY_INPUTS}},
              {"scores": "scores"}),
     ]

@@ -7,7 +7,7 @@ by the models' request validators and by the clients. The public interface is th
     client -> hstu_ranking (max_batch_size 0: the public shapes below, no batch dimension)
       kv_lookup_alloc (batched, one instance): ENSEMBLE_INPUTS -> LOOKUP_OUTPUTS
       hstu_compute    (batched): LOOKUP_OUTPUTS -> COMPUTE_OUTPUTS
-      kv_offload      (batched): COMPUTE_OUTPUTS + kv_lookup_alloc's lease_id + item/action ids -> scores
+      kv_offload      (batched): COMPUTE_OUTPUTS + kv_lookup_alloc's plan (its lease id) + item/action ids -> scores
     client -> hstu_monolithic: ENSEMBLE_INPUTS -> scores in one call
 
 The three steps are batched models (max_batch_size > 0, dynamic batching, ragged inputs; the
@@ -52,21 +52,11 @@ ENSEMBLE_INPUTS = (
     TensorSpec("candidate_ids", "INT64", (-1,), ragged=True),
 )
 
-# kv_lookup_alloc -> hstu_compute. Shapes as the batched model sees them (batch dim excluded).
-LOOKUP_OUTPUTS = (
-    # History tokens from cached_len - onboard_len on: those to compute, and in front of them the
-    # ones being onboarded (computed as well if their copy fails).
-    TensorSpec("new_tokens", "INT64", (-1,), ragged=True),
-    TensorSpec("cached_len", "INT64", (1,)),  # tokens cached in the pool once the onboard is done (page multiple)
-    # The last onboard_len of the cached tokens are being copied from the host store (0: none):
-    # hstu_compute asks the owner how the copy ended before it reads them.
-    TensorSpec("onboard_len", "INT64", (1,)),
-    TensorSpec("page_row", "INT64", (-1,), ragged=True),  # pages covering cached + new tokens
-    TensorSpec("candidates", "INT64", (-1,), ragged=True),
-    TensorSpec("namespace_tag", "INT64", (1,)),  # the lease's KV namespace (hashing.namespace_tag)
-    TensorSpec("lease_id", "INT64", (1,)),  # the request's lease in the owner; also read by kv_offload
-)
-LEASE_ID = LOOKUP_OUTPUTS[-1]
+# kv_lookup_alloc -> hstu_compute and kv_offload: one request's plan as one int64 tensor
+# (deploy/runtime/compute_plan.py: cached and onboarded lengths, namespace tag, lease id, the new
+# tokens, the page row and the candidates). Shape as the batched model sees it (batch dim excluded).
+COMPUTE_PLAN = TensorSpec("compute_plan", "INT64", (-1,), ragged=True)
+LOOKUP_OUTPUTS = (COMPUTE_PLAN,)
 
 
 def compute_outputs(num_tasks: int) -> tuple[TensorSpec, ...]:

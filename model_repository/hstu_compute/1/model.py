@@ -24,7 +24,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -33,6 +32,7 @@ from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
 from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
 from deploy.runtime import published
+from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
@@ -41,18 +41,6 @@ from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
 
 logger = logging.getLogger("hstu_compute")
-
-
-class ComputeRequest(NamedTuple):
-    """One request's inputs from kv_lookup_alloc."""
-
-    new_tokens: torch.Tensor  # int64 [n]: history tokens from cached_len - onboard_len on
-    cached_len: int
-    onboard_len: int  # the last onboard_len cached tokens are being copied in (0: none)
-    page_row: torch.Tensor  # int64 [pages]
-    candidates: torch.Tensor  # int64 [c]
-    namespace_tag: int  # the lease's KV namespace
-    lease_id: int
 
 
 class TritonPythonModel:
@@ -87,7 +75,7 @@ class TritonPythonModel:
         parsed = [self._parse(r) for r in requests]
         responses = [error_response(p) if isinstance(p, str) else None for p in parsed]
         for i, p in enumerate(parsed):
-            if isinstance(p, ComputeRequest) and p.namespace_tag != self.namespace_tag:
+            if isinstance(p, ComputePlan) and p.namespace_tag != self.namespace_tag:
                 self._abort(p.lease_id)
                 responses[i] = error_response(
                     f"hstu_compute: lease {p.lease_id} was made for another model version's KV (this is version "
@@ -135,19 +123,10 @@ class TritonPythonModel:
                              "limits or the KV geometry; restart the server with the new HSTU_MODEL_DIR instead")
         return version_dir
 
-    def _parse(self, request) -> ComputeRequest | str:
-        """The request's inputs, or an error message."""
+    def _parse(self, request) -> ComputePlan | str:
+        """The request's plan, or an error message."""
         try:
-            scalar = lambda name: int(input_tensor(request, name).reshape(-1)[0])  # noqa: E731
-            return ComputeRequest(
-                new_tokens=input_tensor(request, "new_tokens").reshape(-1),
-                cached_len=scalar("cached_len"),
-                onboard_len=scalar("onboard_len"),
-                page_row=input_tensor(request, "page_row").reshape(-1),
-                candidates=input_tensor(request, "candidates").reshape(-1),
-                namespace_tag=scalar("namespace_tag"),
-                lease_id=scalar("lease_id"),
-            )
+            return ComputePlan.unpack(input_tensor(request, "compute_plan"))
         except Exception as e:
             return f"hstu_compute: malformed request: {e}"
 
@@ -175,7 +154,7 @@ class TritonPythonModel:
                 parsed[i] = settled
 
     @staticmethod
-    def _settled(request: ComputeRequest, outcome: OnboardOutcome) -> ComputeRequest | None:
+    def _settled(request: ComputePlan, outcome: OnboardOutcome) -> ComputePlan | None:
         """The request as its settled onboard leaves it: the tokens not copied are computed."""
         if outcome.cached_len is None:
             return None
@@ -187,14 +166,14 @@ class TritonPythonModel:
                                 cached_len=outcome.cached_len, onboard_len=0,
                                 page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
 
-    def _score(self, pool: PagePool, items: list[ComputeRequest]) -> list[torch.Tensor]:
+    def _score(self, pool: PagePool, items: list[ComputePlan]) -> list[torch.Tensor]:
         batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])
         # To the host: the copy waits for the KV writes queued before it (kv_offload commits them
         # next), and a host tensor leaves the Python backend without a CUDA IPC handle per output.
         scores = self.run(pool.tensor, batch).cpu()  # [sum c, num_tasks]
         return list(torch.split(scores, [int(r.candidates.numel()) for r in items]))
 
-    def _score_alone(self, pool: PagePool, item: ComputeRequest):
+    def _score_alone(self, pool: PagePool, item: ComputePlan):
         try:
             return self._response(self._score(pool, [item])[0])
         except Exception as e:

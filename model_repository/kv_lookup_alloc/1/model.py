@@ -23,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.runtime import published
+from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_kv_cache
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
@@ -153,13 +154,7 @@ class TritonPythonModel:
             return error_response(f"kv_lookup_alloc: internal error: {lease}")
         cached_len = lease.cached_len  # a refused onboard only shrank cached_len
         onboard_len = lease.num_onboard_pages * lease.page_size if lease.onboarding else 0
-        row = lambda values: torch.as_tensor(values, dtype=torch.int64).reshape(1, -1)  # noqa: E731
-        return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("new_tokens", row(tokens[cached_len - onboard_len:])),
-            output_tensor("cached_len", row([cached_len])),
-            output_tensor("onboard_len", row([onboard_len])),
-            output_tensor("page_row", row(lease.page_row)),
-            output_tensor("candidates", row(r.candidate_ids)),
-            output_tensor("namespace_tag", row([namespace_tag(lease.namespace)])),
-            output_tensor("lease_id", row([lease.lease_id])),
-        ])
+        plan = ComputePlan(new_tokens=tokens[cached_len - onboard_len:], cached_len=cached_len, onboard_len=onboard_len,
+                           page_row=torch.as_tensor(lease.page_row, dtype=torch.int64), candidates=r.candidate_ids,
+                           namespace_tag=namespace_tag(lease.namespace), lease_id=lease.lease_id)
+        return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])

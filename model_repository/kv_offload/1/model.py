@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, history_tokens
 from deploy.runtime import published
+from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
@@ -61,7 +62,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
-                lease_id = int(input_tensor(request, "lease_id").reshape(-1)[0])
+                lease_id = ComputePlan.lease_id_of(input_tensor(request, "compute_plan"))
                 history = tuple(input_tensor(request, name).reshape(-1).clone() for name in ("item_ids", "action_ids"))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)

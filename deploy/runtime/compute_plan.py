@@ -1,0 +1,53 @@
+"""What kv_lookup_alloc tells hstu_compute (and kv_offload) about one request, as one tensor.
+
+Seven small tensors cost the Python backend a shared-memory buffer and a DLPack round trip each,
+on the way out of kv_lookup_alloc and again into hstu_compute: about 0.05 ms apiece on the CPU
+machine, at every request. So a request's plan travels as one int64 tensor:
+
+    [cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages,
+     new_tokens (num_new_tokens), page_row (num_pages), candidates (the rest)]
+
+`ComputePlan.pack` writes it; `ComputePlan.unpack` reads it back, checking its lengths.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+HEADER = 6  # cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages
+
+
+class ComputePlan(NamedTuple):
+    """One request as hstu_compute computes it."""
+
+    new_tokens: torch.Tensor  # int64 [n]: history tokens from cached_len - onboard_len on
+    cached_len: int  # tokens cached in the pool once the onboard is done (a page multiple)
+    onboard_len: int  # the last onboard_len cached tokens are being copied in (0: none)
+    page_row: torch.Tensor  # int64 [pages]: pages covering the cached and the new tokens
+    candidates: torch.Tensor  # int64 [c]
+    namespace_tag: int  # the lease's KV namespace (kvlifecycle.hashing.namespace_tag)
+    lease_id: int  # the request's lease in the owner
+
+    def pack(self) -> torch.Tensor:
+        header = torch.tensor([self.cached_len, self.onboard_len, self.namespace_tag, self.lease_id,
+                               self.new_tokens.numel(), self.page_row.numel()], dtype=torch.int64)
+        return torch.cat([header, self.new_tokens.reshape(-1), self.page_row.reshape(-1), self.candidates.reshape(-1)])
+
+    @classmethod
+    def unpack(cls, flat: torch.Tensor) -> "ComputePlan":
+        """Raises ``ValueError`` when ``flat`` is not a plan (a bug upstream, never a client's)."""
+        flat = flat.reshape(-1)
+        if flat.numel() < HEADER:
+            raise ValueError(f"compute_plan: expected at least {HEADER} values, got {flat.numel()}")
+        cached_len, onboard_len, tag, lease_id, n, p = flat[:HEADER].tolist()
+        if n < 0 or p < 0 or HEADER + n + p > flat.numel():
+            raise ValueError(f"compute_plan: {n} new tokens and {p} pages do not fit in {flat.numel()} values")
+        body = flat[HEADER:]
+        return cls(new_tokens=body[:n], cached_len=cached_len, onboard_len=onboard_len, page_row=body[n:n + p],
+                   candidates=body[n + p:], namespace_tag=tag, lease_id=lease_id)
+
+    @staticmethod
+    def lease_id_of(flat: torch.Tensor) -> int:
+        """The lease id alone (kv_offload reads nothing else)."""
+        return int(flat.reshape(-1)[3])
