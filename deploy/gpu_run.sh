@@ -15,7 +15,8 @@
 #            hit / miss at 256..4,096 tokens; at 1,024 and 4,096 tokens a user's next request and a
 #            miss, back to back, with each model's Triton compute time; p99 of a host-hit-heavy load
 #            over an all-device-hit one at c=8); "sweep perf_analyzer" adds the bench's own client
-#            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32)
+#            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32); "offload" the p99 with offload on
+#            and off at c=8 (a second server, --store none)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases and
 #            the --store flexkv serving tests (tests/integration/test_serve_flexkv.py), the store
@@ -111,7 +112,7 @@ for stage in "${STAGES[@]}"; do
     if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
         --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
-        --repeats "${BENCH_REPEATS:-3}" --no-offload-compare --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
+        --repeats "${BENCH_REPEATS:-3}" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
     fi
   done
