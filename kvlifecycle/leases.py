@@ -15,10 +15,11 @@ docs/ARCHITECTURE.md); each takes a batch of requests under one lock acquisition
    and by offloads in flight come back first waits up to ``wait_s`` (a long request right
    after another one, on a pool the first one's offload still pins). The lease keeps what the
    request's lookup fixed: its namespace, page keys and token ids (nothing later re-hashes).
-3. optional ``begin_onboard`` / ``finish_onboard(ok_pages)``: while an onboard is in flight the
-   lease neither expires nor is released by ``abort`` (the abort is deferred to
-   ``finish_onboard``), so the store never writes into a page someone else owns. Onboard pages
-   beyond ``ok_pages`` become pages to compute.
+3. optional ``begin_onboard`` / ``onboard_launched(task, pages)`` / ``finish_onboard(ok_pages)``:
+   while an onboard is in flight the lease neither expires nor is released by ``abort`` (the
+   abort is deferred to ``finish_onboard``), so the store never writes into a page someone else
+   owns. Onboard pages beyond those the store copies (``pages``), or beyond ``ok_pages``, become
+   pages to compute.
 4. ``commit_many(lease_ids) -> [Committed | None]``: each lease's full pages become COMMITTED
    under their keys (a key committed meanwhile keeps the existing page; ours is freed), the
    partial last page is freed, read pins are dropped. Pages not known to be in the host tier
@@ -86,6 +87,7 @@ class ReserveAsk:
     tokens: np.ndarray  # int64 [num_tokens]
     host_pages: int
     ttl_s: float
+    host_unasked: bool = False  # host_pages are candidates: the lookup did not ask the store
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +116,9 @@ class Lease:
     onboarding: bool = False  # an onboard is in flight: no expiry, abort deferred
     abort_requested: bool = False
     store_task: object = None  # the store get writing the onboard pages (or, quarantined, that may)
+    # The onboard pages are candidates the lookup did not ask the host store about: the onboard's
+    # launch asks (one round trip), keeps those it holds and counts the lookup's outcome.
+    host_unasked: bool = False
 
     @property
     def cached_len(self) -> int:
@@ -234,11 +239,21 @@ class LeaseTable:
             self._leases[lease_id] = replace(lease, onboarding=True, store_task=store_task)
             return True
 
-    def set_store_task(self, lease_id: int, store_task: object) -> None:
+    def onboard_launched(self, lease_id: int, store_task: object, pages: int) -> Lease | None:
+        """The store copies the first ``pages`` onboard pages (task ``store_task``); the others,
+        which it does not hold, become pages to compute. Called before anyone reads the lease's
+        ``cached_len``. None when the lease is unknown."""
         with self._lock:
             lease = self._request_lease(lease_id)
-            if lease is not None:
-                self._leases[lease_id] = replace(lease, store_task=store_task)
+            if lease is None:
+                return None
+            assert lease.onboarding and 0 <= pages <= lease.num_onboard_pages, (
+                f"LeaseTable.onboard_launched: lease {lease_id} expected an onboard in flight and "
+                f"0 <= pages <= {lease.num_onboard_pages}, got onboarding={lease.onboarding}, pages={pages}"
+            )
+            lease = replace(lease, store_task=store_task, num_onboard_pages=pages)
+            self._leases[lease_id] = lease
+            return lease
 
     def finish_onboard(self, lease_id: int, ok_pages: int,
                        in_flight: object = None) -> Lease | None:
@@ -445,6 +460,7 @@ class LeaseTable:
             num_onboard_pages=h,
             onboarded=h == 0,
             expires_at=self.clock() + ask.ttl_s,
+            host_unasked=ask.host_unasked and h > 0,
         )
         self._leases[lease_id] = lease
         for key in lease.keys[d:]:

@@ -46,7 +46,7 @@ Promises:
   a recompute; both are counted in ``stats()`` and logged, never raised.
 
 Host store: any object with the ``kvlifecycle.store.HostStoreClient`` methods used here
-(``get_match``, ``get_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
+(``get_match``, ``get_prefix_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
 (device cache only, nothing offloaded).
 
 There is no per-user index: lookup hashes the request's page chain and walks the committed
@@ -89,9 +89,10 @@ DEVICE_HIT = "device_hit"
 HOST_HIT = "host_hit"
 MISS = "miss"
 
-# The fewest full pages beyond the device prefix worth a host-store lookup. The lookup is a round
-# trip to the store process (about 0.6 ms on the H200 host); recomputing one page of a device hit
-# (a user's next request, whose last page was not full before) costs far less on any device.
+# The fewest full pages beyond the device prefix worth asking the host store about (at lookup, or
+# at the onboard's launch with ask_store=False). Asking is a round trip to the store process (about
+# 0.6 ms on the H200 host); recomputing one page of a device hit (a user's next request, whose last
+# page was not full before) costs far less on any device.
 MIN_HOST_PAGES = 2
 
 
@@ -111,6 +112,7 @@ class LookupResult:
     host_tokens: int
     device_pages: tuple[int, ...]
     store_error: bool = False
+    host_unasked: bool = False  # host_tokens are candidates: lookup_many(ask_store=False)
 
     @property
     def num_tokens(self) -> int:
@@ -171,10 +173,11 @@ class KVCacheManager:
 
     # -- public API ---------------------------------------------------------------------
 
-    def lookup(self, user_id: int, token_ids: TokenIds) -> LookupResult:
+    def lookup(self, user_id: int, token_ids: TokenIds, ask_store: bool = True) -> LookupResult:
         """The cached prefix of ``token_ids``: device pages first, then the host store for
-        the following full pages. Never raises for the store (errors count as a miss)."""
-        return self.lookup_many([(user_id, token_ids)])[0]
+        the following full pages (``ask_store``: see ``lookup_many``). Never raises for the
+        store (errors count as a miss)."""
+        return self.lookup_many([(user_id, token_ids)], ask_store)[0]
 
     def use_namespace(self, namespace: str) -> None:
         """Look up and make leases in ``namespace`` from now on (a new model version serves).
@@ -184,17 +187,26 @@ class KVCacheManager:
             raise ValueError("KVCacheManager.use_namespace: expected a non-empty model fingerprint, got ''")
         self.namespace = namespace
 
-    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[LookupResult]:
+    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True) -> list[LookupResult]:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
         the host store is asked (one ``get_match`` each: its API matches one sequence) only for
-        requests with at least ``min_host_pages`` full pages beyond their device prefix."""
+        requests with at least ``min_host_pages`` full pages beyond their device prefix.
+
+        ``ask_store=False`` (the serving path) asks the store nothing here: those full pages are
+        candidates (``host_unasked``), ``allocate_many`` reserves them as onboard pages, and the
+        onboard's launch asks the store to copy the ones it holds, in one round trip instead of
+        a match here and a get there. Such a lookup's outcome is counted then."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
         chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
         devices = self.leases.match_prefixes(chains, self.commit_wait_s)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False
-            if self.store is not None and len(keys) - len(device) >= self.min_host_pages:
+            beyond = len(keys) - len(device)
+            unasked = self.store is not None and beyond >= self.min_host_pages and not ask_store
+            if unasked:
+                host_pages = len(keys)
+            elif self.store is not None and beyond >= self.min_host_pages:
                 host_pages, store_error = self._host_match(request_tokens[: len(keys) * self.page_size])
             results.append(LookupResult(
                 user_id=int(user_id),
@@ -205,8 +217,9 @@ class KVCacheManager:
                 host_tokens=max(0, host_pages - len(device)) * self.page_size,
                 device_pages=tuple(device),
                 store_error=store_error,
+                host_unasked=unasked,
             ))
-        for outcome, n in Counter(r.outcome for r in results).items():
+        for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
             self.leases.count(f"lookups_{outcome}", n)
         return results
 
@@ -234,11 +247,17 @@ class KVCacheManager:
         """``allocate`` of each looked-up request, in order, under one table lock. A request the
         pool cannot hold gets its ``PoolExhausted`` in its place and changes nothing."""
         ttl = self.lease_ttl_s if ttl_s is None else ttl_s
-        return self.leases.reserve_many([
+        leases = self.leases.reserve_many([
             ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
-                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl)
+                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl, host_unasked=hit.host_unasked)
             for hit in hits
         ], wait_s=self.pool_wait_s)
+        for hit, lease in zip(hits, leases):
+            # An unasked lookup whose lease has no candidates left to onboard ends here.
+            if hit.host_unasked and not (isinstance(lease, Lease) and lease.host_unasked):
+                device = lease.num_device_pages if isinstance(lease, Lease) else len(hit.device_pages)
+                self.leases.count(f"lookups_{DEVICE_HIT if device else MISS}")
+        return leases
 
     def onboard(self, lease: Lease, timeout_s: float | None = None) -> Lease:
         """Copy the host-hit pages into the reserved pages and wait. On any store failure the
@@ -258,22 +277,25 @@ class KVCacheManager:
             return None
         if self.store is None:
             return None
-        S = self.page_size
-        start, stop = lease.device_tokens, lease.cached_len
-        assert lease.tokens.size >= stop, (
-            f"onboard_launch: lease {lease_id} expected its token ids (>= {stop}), got {lease.tokens.size}"
+        start = lease.num_device_pages
+        stop = start + lease.num_onboard_pages
+        assert lease.tokens.size >= stop * self.page_size, (
+            f"onboard_launch: lease {lease_id} expected its token ids (>= {stop * self.page_size}), "
+            f"got {lease.tokens.size}"
         )
-        mask = np.zeros(stop, dtype=bool)
-        mask[start:stop] = True
-        slots = slots_for_pages(lease.onboard_pages, S)
-        try:
-            task = self.store.get_async(lease.tokens[:stop], slots, lease.namespace, mask)
+        try:  # one round trip: the store copies the onboard pages it holds, says how many it holds
+            task, held = self.store.get_prefix_async(lease.tokens[: stop * self.page_size],
+                                                     slots_for_pages(lease.onboard_pages, self.page_size),
+                                                     lease.namespace, start)
         except Exception:
-            logger.warning("host store get_async failed for lease %d; recomputing %d pages",
+            logger.warning("host store get_prefix_async failed for lease %d; recomputing %d pages",
                            lease_id, lease.num_onboard_pages, exc_info=True)
             self.leases.count("store_errors")
-            return None
-        self.leases.set_store_task(lease_id, task)
+            task, held = None, start
+        copied = max(0, min(held, stop) - start)
+        self.leases.onboard_launched(lease_id, task, copied)
+        if lease.host_unasked:
+            self.leases.count(f"lookups_{HOST_HIT if copied else DEVICE_HIT if start else MISS}")
         return task
 
     def onboard_wait(self, lease_id: int, task: int | None,

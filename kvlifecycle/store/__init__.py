@@ -16,7 +16,10 @@ Operations, in the order they are called (``store = open_store(kind, **cfg)``):
    - ``store.launch([task_id], [slot_mapping])`` for a ``get_match`` task (one slot per True
      entry of its mask), or
    - ``task_id = store.get_async(token_ids, slot_mapping, namespace, token_mask)`` for any
-     whole pages the store holds (e.g. the held pages not already on the device).
+     whole pages the store holds (e.g. the held pages not already on the device), or
+   - lookup and onboard in one: ``task_id, held = store.get_prefix_async(token_ids,
+     slot_mapping, namespace, first_page)`` copies the pages from ``first_page`` on that lie in
+     the held prefix (``task_id`` None when there are none); one RPC in the store servers.
 3. Offload (pool -> store): ``task_id = store.put_async(token_ids, slot_mapping, namespace,
    token_mask=None)`` copies the selected whole pages' KV (all layers, K and V). The pool
    pages must stay untouched until the task is done.

@@ -74,6 +74,30 @@ class HostStoreClient(abc.ABC):
         """Copy the whole pages selected by ``token_mask`` from the store into the pool slots
         ``slot_mapping`` (one per selected token). NOTFOUND if any selected page is missing."""
 
+    def get_prefix_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                         first_page: int) -> tuple[int | None, int]:
+        """A lookup and an onboard in one: ``held``, the longest prefix of whole pages of
+        ``token_ids`` the store holds, and the task copying pages ``first_page .. held - 1`` of
+        it into their slots (None when there are none to copy). ``slot_mapping`` has one slot
+        per token of every full page from ``first_page`` on; only the held ones are written.
+        Returns ``(task_id | None, held)``; ``(None, 0)`` when the store is unreachable.
+
+        The caller reserves pages for every candidate before it knows how many the store holds,
+        and recomputes the rest. A backend answers both in one round trip where it can; this
+        default is ``get_match`` then ``get_async`` (two)."""
+        tokens = tokens_as_int64(token_ids)
+        match_task, mask = self.get_match(tokens, namespace)
+        self.cancel([match_task])  # the get below is its own task
+        self.try_wait([match_task])
+        misses = np.flatnonzero(~np.asarray(mask, dtype=bool))
+        held = (int(misses[0]) if misses.size else int(tokens.size)) // self.page_size
+        if held <= first_page:
+            return None, held
+        copy = np.zeros(tokens.size, dtype=bool)
+        copy[first_page * self.page_size: held * self.page_size] = True
+        slots = tokens_as_int64(slot_mapping)[: (held - first_page) * self.page_size]
+        return self.get_async(tokens, slots, namespace, copy), held
+
     @abc.abstractmethod
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
         """Start the gets prepared by ``get_match``; ``slot_mappings[i]`` has one slot per

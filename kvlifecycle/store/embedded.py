@@ -43,7 +43,7 @@ import numpy as np
 
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
-from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, prefix_mask,
+from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, prefix_mask,
                                    select_pages)
 from kvlifecycle.store.protocol import Op, pool_id
 
@@ -150,12 +150,39 @@ class StoreProcessClient(HostStoreClient):
     def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                   token_mask: TokenIds | None = None) -> int:
         sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "put_async")
-        return self._submit(Op.PUT, next(self._ids), sel.tokens, sel.seq_pages, sel.pool_pages, namespace)
+        return self._submit(Op.PUT, next(self._ids), sel, namespace)
 
     def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                   token_mask: TokenIds) -> int:
         sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "get_async")
-        return self._submit(Op.GET, next(self._ids), sel.tokens, sel.seq_pages, sel.pool_pages, namespace)
+        return self._submit(Op.GET, next(self._ids), sel, namespace)
+
+    def get_prefix_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
+                         first_page: int) -> tuple[int | None, int]:
+        tokens = tokens_as_int64(token_ids)
+        S = self.page_size
+        candidates = np.zeros(tokens.size, dtype=bool)
+        candidates[first_page * S: tokens.size // S * S] = True
+        sel = select_pages(tokens, slot_mapping, candidates, S, "get_prefix_async")
+        if sel.seq_pages.size == 0:
+            raise ValueError(f"get_prefix_async: first_page {first_page} leaves no full page of "
+                             f"{tokens.size} tokens to copy; ask only for pages past the device prefix")
+        task_id = next(self._ids)
+        reply, start_by = self._send_task(Op.GET_PREFIX, task_id, sel, namespace)
+        if reply is None or reply["rpc"] is not RpcStatus.OK:
+            if reply is not None:
+                self._count_refusal(Op.GET_PREFIX.value, reply)
+            self._counters["get_prefix_failed"] += 1
+            return None, 0
+        held = int(reply["pages"])
+        assert 0 <= held <= tokens.size // S, f"get_prefix_async: store claims {held} of {tokens.size // S} pages"
+        self._counters["match_pages"] += held
+        if not reply["copying"]:
+            return None, held
+        with self._lock:
+            self._remote[task_id] = start_by
+            self._counters["get_submitted"] += 1
+        return task_id, held
 
     def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
         if len(task_ids) != len(slot_mappings):
@@ -167,7 +194,7 @@ class StoreProcessClient(HostStoreClient):
                 raise ValueError(f"launch: task {task_id} is not a get_match task waiting for launch")
             mask = np.ones(prep.tokens.size, dtype=bool)
             sel = select_pages(prep.tokens, slots, mask, self.page_size, f"launch (task {task_id})")
-            self._submit(Op.GET, task_id, sel.tokens, sel.seq_pages, sel.pool_pages, prep.namespace)
+            self._submit(Op.GET, task_id, sel, prep.namespace)
 
     def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
         deadline = time.monotonic() + timeout_s
@@ -251,20 +278,12 @@ class StoreProcessClient(HostStoreClient):
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _submit(self, op: Op, task_id: int, tokens: np.ndarray, seq_pages: np.ndarray,
-                pool_pages: np.ndarray, namespace: str) -> int:
-        if seq_pages.size == 0:
+    def _submit(self, op: Op, task_id: int, sel: PageSelection, namespace: str) -> int:
+        if sel.seq_pages.size == 0:
             with self._lock:
                 self._local[task_id] = Status.SUCCESS
             return task_id
-        now = time.monotonic()
-        start_by = now + self.task_start_timeout_s
-        header = {"op": op.value, "task": task_id, "ns": namespace, "page_size": self.page_size,
-                  "start_by": start_by}
-        if self._pool_id is not None:
-            header["pool"] = self._pool_id
-        arrays = {"tokens": tokens, "seq_pages": seq_pages, "pool_pages": pool_pages}
-        reply = self._rpc(header, arrays, accept_deadline=True)
+        reply, start_by = self._send_task(op, task_id, sel, namespace)
         with self._lock:
             if reply is not None and reply["rpc"] is RpcStatus.OK:
                 self._remote[task_id] = start_by
@@ -275,6 +294,17 @@ class StoreProcessClient(HostStoreClient):
                 self._local[task_id] = Status.FAILED
                 self._counters[f"{op.value}_failed"] += 1
         return task_id
+
+    def _send_task(self, op: Op, task_id: int, sel: PageSelection,
+                   namespace: str) -> tuple[dict[str, Any] | None, float]:
+        """Submit a copy task; its reply (None: unreachable) and the time it must start by."""
+        start_by = time.monotonic() + self.task_start_timeout_s
+        header = {"op": op.value, "task": task_id, "ns": namespace, "page_size": self.page_size,
+                  "start_by": start_by}
+        if self._pool_id is not None:
+            header["pool"] = self._pool_id
+        arrays = {"tokens": sel.tokens, "seq_pages": sel.seq_pages, "pool_pages": sel.pool_pages}
+        return self._rpc(header, arrays, accept_deadline=True), start_by
 
     def _rpc(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
              accept_deadline: bool = False, retried: bool = False,

@@ -258,12 +258,10 @@ class FlexKVStoreServer:
             raise ValueError(f"page_size: pool {pool_name} has {pool.spec.page_size}, got {page_size}")
         namespace = [str(header["ns"])]
         if op is Op.MATCH:
-            if not pool.ready.is_set():
-                return {"pages": 0}
-            task_id, mask = pool.manager.get_match(arrays["tokens"], namespace=namespace)
-            pool.manager.cancel([task_id])  # our client launches its own get
-            return {"pages": int(np.asarray(mask, dtype=bool).sum()) // page_size}
-        assert op in (Op.PUT, Op.GET), f"_dispatch: unhandled op {op}"
+            return {"pages": self._held_prefix(pool, arrays["tokens"], namespace) if pool.ready.is_set() else 0}
+        assert op in (Op.PUT, Op.GET, Op.GET_PREFIX), f"_dispatch: unhandled op {op}"
+        if op is Op.GET_PREFIX and not pool.ready.is_set():
+            return {"pages": 0, "copying": False}  # as a match while FlexKV starts: a miss
         if not pool.ready.is_set():
             raise RpcError(RpcStatus.BUSY, f"pool {pool_name}: FlexKV is still starting")
         if time.monotonic() > float(header["accept_by"]):
@@ -273,13 +271,29 @@ class FlexKVStoreServer:
         if key in self._tasks:
             raise ValueError(f"task {key[1]}: already submitted by this client")
         mask, slots = _token_mask_and_slots(tokens.size, seq_pages, pool_pages, page_size, pool.spec.num_pages)
-        if op is Op.GET:
-            task = _Task(op, int(pool.manager.get_async(tokens, slots, mask, namespace=namespace)), int(mask.sum()))
-        else:
+        reply: dict[str, Any] = {}
+        if op is Op.GET_PREFIX:  # copy the candidates inside the held prefix, in the same round trip
+            held = self._held_prefix(pool, tokens, namespace)
+            keep = seq_pages < held
+            if not keep.any():
+                return {"pages": held, "copying": False}
+            seq_pages, pool_pages = seq_pages[keep], pool_pages[keep]
+            mask, slots = _token_mask_and_slots(tokens.size, seq_pages, pool_pages, page_size, pool.spec.num_pages)
+            reply = {"pages": held, "copying": True}
+        if op is Op.PUT:
             task = self._put(pool, tokens, seq_pages, pool_pages, namespace)
+        else:
+            task = _Task(Op.GET, int(pool.manager.get_async(tokens, slots, mask, namespace=namespace)), int(mask.sum()))
         self._tasks[key] = (pool_name, task)
-        self._counters[f"{op.value}_pages"] += int(seq_pages.size)
-        return {}
+        self._counters[f"{task.kind.value}_pages"] += int(seq_pages.size)
+        return reply
+
+    @staticmethod
+    def _held_prefix(pool: "_FlexKVPool", tokens: np.ndarray, namespace: list[str]) -> int:
+        """Whole pages of ``tokens``, from the first, that FlexKV holds."""
+        task_id, mask = pool.manager.get_match(tokens, namespace=namespace)
+        pool.manager.cancel([task_id])  # our client launches its own get
+        return int(np.asarray(mask, dtype=bool).sum()) // pool.spec.page_size
 
     def _put(self, pool: _FlexKVPool, tokens: np.ndarray, seq_pages: np.ndarray, pool_pages: np.ndarray,
              namespace: list[str]) -> _Task:
@@ -292,10 +306,7 @@ class FlexKVStoreServer:
         page_size = pool.spec.page_size
         first, last = int(seq_pages.min()), int(seq_pages.max())
         if first > 0:
-            task_id, held = pool.manager.get_match(tokens[: first * page_size], namespace=namespace)
-            pool.manager.cancel([task_id])
-            held_pages = int(np.asarray(held, dtype=bool).sum()) // page_size
-            if held_pages < first:
+            if self._held_prefix(pool, tokens[: first * page_size], namespace) < first:
                 self._counters["put_prefix_missing"] += 1
                 return _Task(Op.PUT, -1, 0)  # polls as FAILED: the pages stay on the device only
         order = np.argsort(seq_pages, kind="stable")

@@ -8,6 +8,11 @@ Requests (``op``; fields besides ``v``, ``seq``, ``client``):
 - ``put``/``get`` task, ns, page_size, pool,
   accept_by, start_by; arrays tokens,
   seq_pages, pool_pages                          -> {} (accepted; poll for the outcome)
+- ``get_prefix`` as ``get``; seq_pages are
+  candidates (every full page from the first
+  one asked)                                     -> {"pages": k, "copying": bool}: k is the held
+                                                    prefix; the task copies the candidates below k
+                                                    (no task when "copying" is false)
 - ``poll`` tasks                                 -> {"tasks": {"<id>": "<Status>"}} (done ones are forgotten)
 - ``cancel`` tasks                               -> {}
 
@@ -35,6 +40,7 @@ class Op(str, enum.Enum):
     MATCH = "match"
     PUT = "put"
     GET = "get"
+    GET_PREFIX = "get_prefix"  # match + get in one round trip (HostStoreClient.get_prefix_async)
     POLL = "poll"
     CANCEL = "cancel"
 

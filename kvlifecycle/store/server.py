@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -134,17 +134,25 @@ class StoreServer:
             return {}
         if op is Op.MATCH:
             return {"pages": self._match(int(header["page_size"]), arrays["tokens"], str(header["ns"]))}
-        assert op in (Op.PUT, Op.GET), f"_dispatch: unhandled op {op}"
+        assert op in (Op.PUT, Op.GET, Op.GET_PREFIX), f"_dispatch: unhandled op {op}"
         pool = self._require_pool(header.get("pool"), int(header["page_size"]))
         if self._stop.is_set():
             raise RpcError(RpcStatus.BUSY, "the store is stopping")
         if time.monotonic() > float(header["accept_by"]):
             self._count("late_requests")
             raise RpcError(RpcStatus.BUSY, "request arrived after the client's accept deadline")
-        task = CopyTask(client=client, task_id=int(header["task"]), op=op, pool=pool, namespace=str(header["ns"]),
-                        tokens=arrays["tokens"], seq_pages=arrays["seq_pages"], pool_pages=arrays["pool_pages"],
+        task = CopyTask(client=client, task_id=int(header["task"]), op=Op.PUT if op is Op.PUT else Op.GET,
+                        pool=pool, namespace=str(header["ns"]), tokens=arrays["tokens"],
+                        seq_pages=arrays["seq_pages"], pool_pages=arrays["pool_pages"],
                         start_by=float(header["start_by"]))
         _check_task(task)
+        if op is Op.GET_PREFIX:  # copy the candidates inside the held prefix, in the same round trip
+            held = self._match(pool.pool.spec.page_size, task.tokens, task.namespace)
+            keep = task.seq_pages < held
+            if not keep.any():
+                return {"pages": held, "copying": False}
+            self.worker.submit(replace(task, seq_pages=task.seq_pages[keep], pool_pages=task.pool_pages[keep]))
+            return {"pages": held, "copying": True}
         self.worker.submit(task)
         return {}
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvlifecycle.hashing import page_keys, tokens_as_int64
+from kvlifecycle.store.api import HostStoreClient
 
 
 class FakeStore:
@@ -57,6 +58,9 @@ class FakeStore:
         else:
             self.tasks[task] = self.get_status or "NOTFOUND"
         return task
+
+    # The API's own two-call version: get_match, then get_async.
+    get_prefix_async = HostStoreClient.get_prefix_async
 
     def wait(self, task_ids, timeout_s=1.0):
         self._maybe_raise("wait")

@@ -241,6 +241,58 @@ def test_host_store_is_asked_only_for_min_host_pages_beyond_the_device_prefix(sm
     assert (hit.device_tokens, hit.host_tokens) == (8, host_tokens)
 
 
+LOOKUP_COUNTERS = ("lookups_device_hit", "lookups_host_hit", "lookups_miss", "onboard_failed_pages", "store_errors")
+
+
+def counted(m, before):
+    """The lookup counters that moved since ``before`` (a stats() dict)."""
+    now = m.stats()
+    return {k: now[k] - before[k] for k in LOOKUP_COUNTERS if now[k] != before[k]}
+
+
+def test_unasked_lookup_onboards_the_candidates_the_store_holds_in_one_call(smgr, store):
+    """The serving path: lookup does not ask the store; the onboard's launch does (one call) and
+    keeps the candidate pages the store holds, here 2 of the history's 4 full pages."""
+    fill_host(smgr, store, list(range(8)))  # pages 0-1 on the host only
+    history = list(range(8)) + list(range(100, 110))  # 4 full pages and 2 tokens
+    before = smgr.stats()
+    hit = smgr.lookup(1, history, ask_store=False)
+    assert hit.host_unasked and (hit.device_tokens, hit.host_tokens) == (0, 16)
+    lease = smgr.onboard(smgr.allocate(1, history, hit))
+    assert (lease.cached_len, len(lease.onboard_pages), len(lease.new_full_pages)) == (8, 2, 2)
+    assert all(torch.all(store.pool[:, p] == 7.0) for p in lease.onboard_pages)
+    assert counted(smgr, before) == {"lookups_host_hit": 1}  # counted once, when the store answered
+    assert len(smgr.commit(lease.lease_id)) == 2  # only the pages the store lacked are offloaded
+    smgr.check_invariants()
+
+
+@pytest.mark.parametrize("case,device_pages,outcome", [
+    ("nothing stored", 0, {"lookups_miss": 1}),
+    ("device prefix only", 2, {"lookups_device_hit": 1}),
+    ("store down", 0, {"lookups_miss": 1, "store_errors": 1}),
+])
+def test_unasked_lookup_the_store_cannot_serve_recomputes_and_counts_no_failure(smgr, store, case, device_pages,
+                                                                              outcome):
+    history = list(range(16))
+    if device_pages:
+        serve(smgr, 1, history[: device_pages * S])
+    if case == "store down":
+        store.raise_on.add("get_match")
+    before = smgr.stats()
+    lease = smgr.onboard(smgr.allocate(1, history, smgr.lookup(1, history, ask_store=False)))
+    assert (lease.cached_len, lease.new_tokens) == (device_pages * S, 16 - device_pages * S), case
+    assert counted(smgr, before) == outcome, case
+    assert len(smgr.commit(lease.lease_id)) == 4 - device_pages, "the recomputed pages are offloaded"
+    smgr.check_invariants()
+
+
+def test_unasked_lookup_refused_by_a_full_pool_is_counted_once(smgr, store):
+    before = smgr.stats()
+    [refused] = smgr.allocate_many([smgr.lookup(1, list(range(4 * 64)), ask_store=False)])
+    assert isinstance(refused, PoolExhausted)
+    assert counted(smgr, before) == {"lookups_miss": 1}
+
+
 @pytest.mark.parametrize("failure,counter", [
     ("FAILED", "store_errors"),
     ("NOTFOUND", "onboard_misses"),

@@ -115,6 +115,35 @@ def test_other_namespace_and_missing_pages_are_not_found(make_store, pool):
     assert (pool.tensor[:, 7] == 42.0).all(), "a NOTFOUND get must copy nothing"
 
 
+def test_get_prefix_copies_the_held_candidates_in_one_round_trip(make_store, pool):
+    """A lookup and an onboard in one call (a host hit on the serving path): the store holds pages
+    0-2 of a 5-page history whose page 0 is on the device; asked for pages 1-4, it copies 1-2
+    into their slots, leaves the slots of 3-4 alone and says it holds 3, in one RPC."""
+    harness = make_store()
+    store, ns = harness.client(), harness.ns
+    seq = tokens(5)
+    expected = fill_random(pool, [1, 2, 3], seed=3)
+    put = store.put_async(seq[: 3 * SPEC.page_size], slots([1, 2, 3]), ns)
+    assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
+
+    pool.tensor.zero_()
+    pool.tensor[:, [23, 24]] = 42.0
+    before = store.server_stats()
+    task, held = store.get_prefix_async(seq, slots([21, 22, 23, 24]), ns, first_page=1)
+    after = store.server_stats()
+    assert held == 3 and task is not None
+    assert store.wait([task], timeout_s=10) == {task: Status.SUCCESS}
+    assert torch.equal(pool.tensor[:, [21, 22]], expected[:, 1:])
+    assert (pool.tensor[:, [23, 24]] == 42.0).all(), "pages the store does not hold: slots untouched"
+    assert after["rpc_get_prefix"] == before.get("rpc_get_prefix", 0) + 1
+    assert after.get("rpc_match", 0) == before.get("rpc_match", 0), "no separate match round trip"
+
+    assert store.get_prefix_async(seq, slots([25, 26]), ns, first_page=3) == (None, 3), "none held to copy"
+    assert store.get_prefix_async(tokens(3, start=500), slots([27, 28]), ns, first_page=1) == (None, 0)
+    with pytest.raises(ValueError, match="first_page"):
+        store.get_prefix_async(seq, slots([]), ns, first_page=5)
+
+
 COPY_DELAY_S = 1.0  # the store sleeps this long before each copy (tests/slow_store.py)
 ATTEMPTS = 3  # a machine that stalls past the delay between two calls repeats the case with new tasks
 
@@ -206,6 +235,7 @@ def fails_open_then_reconnects(harness, pool) -> None:
     harness.kill()
     t0 = time.monotonic()
     _task, mask = store.get_match(tokens(2), ns)
+    assert store.get_prefix_async(tokens(2), slots([3]), ns, first_page=1) == (None, 0), "fail open: a miss"
     failed_put = store.put_async(tokens(2), slots([1, 2]), ns)
     statuses = store.wait([failed_put], timeout_s=2)
     elapsed = time.monotonic() - t0

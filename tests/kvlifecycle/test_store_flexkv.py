@@ -128,3 +128,20 @@ def test_a_get_of_pages_never_stored_is_notfound(owner):
     assert owner.wait([got], timeout_s=30)[got] in (Status.NOTFOUND, Status.FAILED)
     task, mask = owner.get_match(seq, "ns-e")
     assert not mask.any()
+
+
+def test_get_prefix_copies_the_held_pages_in_one_round_trip(owner, pool):
+    """The serving path's host hit: pages 1-3 asked for, FlexKV holds pages 0-1; page 1 is copied,
+    the slots of pages 2-3 stay untouched, and the reply says 2 pages are held."""
+    seq = tokens(4, seed=6)
+    expected = fill(pool, [70, 71], seed=6)
+    put = owner.put_async(seq[: 2 * SPEC.page_size], slots([70, 71]), "ns-f")
+    assert owner.wait([put], timeout_s=30) == {put: Status.SUCCESS}
+    pool.tensor[:, 72:75] = 0
+    task, held = owner.get_prefix_async(seq, slots([72, 73, 74]), "ns-f", first_page=1)
+    assert held == 2 and task is not None
+    assert owner.wait([task], timeout_s=30) == {task: Status.SUCCESS}
+    torch.cuda.synchronize()
+    assert torch.equal(pool.tensor[:, 72], expected[:, 1])
+    assert not pool.tensor[:, 73:75].any(), "pages FlexKV does not hold: slots untouched"
+    assert owner.get_prefix_async(tokens(2, seed=7), slots([75]), "ns-f", first_page=1) == (None, 0)
