@@ -20,7 +20,9 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
 calls ``manager.expire_leases()`` at least every ``expire_interval_s`` (between requests when
 busy, on poll timeouts when idle). While any onboard is in flight it calls
-``manager.poll_onboards()`` every 0.5-1 ms (``ONBOARD_POLL_S``) and answers each ``onboard_wait`` whose
+``manager.poll_onboards()`` (which asks the store for the onboards just started, then checks the
+copies) every 0.5-1 ms (``ONBOARD_POLL_S``), and at once when the owner calls ``wake()`` after
+starting onboards; it answers each ``onboard_wait`` whose
 leases are all settled (the manager settles a late copy as a timeout, so every wait is answered
 within the store timeout of its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header,
 never pickle)::
@@ -108,6 +110,9 @@ class ControlServer:
         self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
         self._bind_error: BaseException | None = None
         self._ctx = zmq.Context()
+        self._wake_endpoint = f"inproc://kvlifecycle-control-wake-{id(self)}"
+        self._waker: zmq.Socket | None = None  # the owner's side of the wake-up pipe, made on first use
+        self._waker_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvlifecycle-control", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -118,12 +123,24 @@ class ControlServer:
 
     # -- public API ---------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Have the thread poll the onboards now (the owner just started some): their copies
+        start without waiting for the thread's next timeout, which is long while it was idle."""
+        with self._waker_lock:
+            if self._stop.is_set():
+                return
+            self._poke()
+
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread and remove the socket file; idempotent."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        """Stop the thread (woken, so at once) and remove the socket file; idempotent."""
+        with self._waker_lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            self._poke()
         self._thread.join(timeout_s)
+        with self._waker_lock:
+            self._waker.close()
         self._ctx.term()
 
     def __enter__(self) -> "ControlServer":
@@ -134,24 +151,47 @@ class ControlServer:
 
     # -- helpers ------------------------------------------------------------------------
 
+    def _poke(self) -> None:
+        """One message down the wake-up pipe (caller holds ``_waker_lock``)."""
+        if self._waker is None:
+            self._waker = self._ctx.socket(zmq.PUSH)
+            self._waker.setsockopt(zmq.LINGER, 0)
+            self._waker.connect(self._wake_endpoint)
+        try:
+            self._waker.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # wake-ups already queued: the thread is about to poll anyway
+            pass
+
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        wake = self._ctx.socket(zmq.PULL)
+        wake.setsockopt(zmq.LINGER, 0)
         try:
+            wake.bind(self._wake_endpoint)
             sock.bind(self.endpoint)
         except BaseException as e:  # reported to the constructor
             self._bind_error = e
             sock.close()
+            wake.close()
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         idle_poll_ms = max(1, int(self.expire_interval_s * 1000 / 2))
         next_expire = time.monotonic() + self.expire_interval_s
         next_onboard_poll = 0.0
         try:
             while not self._stop.is_set():
                 onboarding = self.manager.onboards_in_flight() > 0
-                if sock.poll(1 if onboarding else idle_poll_ms, zmq.POLLIN):  # whole milliseconds
+                ready = dict(poller.poll(1 if onboarding else idle_poll_ms))  # whole milliseconds
+                if wake in ready:
+                    while wake.poll(0):
+                        wake.recv()
+                    onboarding, next_onboard_poll = True, 0.0
+                if sock in ready:
                     frames = sock.recv_multipart()
                     waited = self._onboard_wait_leases(frames)
                     if waited is None:
@@ -169,6 +209,7 @@ class ControlServer:
                     next_expire = time.monotonic() + self.expire_interval_s
         finally:
             sock.close()
+            wake.close()
             path = self.endpoint[len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)

@@ -275,8 +275,14 @@ class KVCacheManager:
         lease = self.leases.get_lease(lease_id)
         if lease is None or not self.leases.begin_onboard(lease_id):
             return None
-        if self.store is None:
+        return self._ask_store(lease)
+
+    def _ask_store(self, lease: Lease) -> int | None:
+        """``onboard_launch`` after ``begin_onboard``: one ``get_prefix_async``; the lease keeps
+        the onboard pages the store copies; an unasked lookup's outcome is counted."""
+        if self.store is None or lease.abort_requested:
             return None
+        lease_id = lease.lease_id
         start = lease.num_device_pages
         stop = start + lease.num_onboard_pages
         assert lease.tokens.size >= stop * self.page_size, (
@@ -329,27 +335,28 @@ class KVCacheManager:
 
     def onboard_start_many(self, leases: Sequence[Lease | PoolExhausted]
                            ) -> list[Lease | PoolExhausted | LeaseGone]:
-        """Launch the onboard of each lease of a batch and return without waiting. A lease whose
-        copy is in flight comes back ``onboarding`` (its onboard pages may not be read until
-        ``onboard_result`` returns it settled); a lease with nothing to copy, or whose copy the
-        store refused, is settled here (refused pages become pages to compute). Other entries
-        stay in their place, as in ``onboard_many``."""
+        """Start the onboard of each lease of a batch and return without asking the store: a
+        lease with onboard pages comes back ``onboarding``, all of them still claimed (its
+        onboard pages may not be read until ``onboard_result`` returns it settled, with the
+        ones not copied turned into pages to compute). ``poll_onboards`` asks the store (one
+        round trip each, on the poller's thread) and settles them. A lease that cannot start
+        (no store, aborted) is settled here. Other entries stay in their place, as in
+        ``onboard_many``."""
         out: list[Lease | PoolExhausted | LeaseGone] = []
         for lease in leases:
             if not isinstance(lease, Lease) or lease.onboarded:
                 out.append(lease)
                 continue
-            task = self.onboard_launch(lease.lease_id)
-            if task is None:
+            if self.store is None or not self.leases.begin_onboard(lease.lease_id):
                 try:
                     out.append(self._settle_onboard(lease.lease_id, None, None))
                 except (LeaseGone, PoolExhausted) as e:
                     out.append(e)
                 continue
-            with self._in_flight_lock:
-                self._in_flight[lease.lease_id] = (task, self.clock() + self.store_timeout_s)
+            with self._in_flight_lock:  # task None: the store is not asked yet
+                self._in_flight[lease.lease_id] = (None, self.clock() + self.store_timeout_s)
             out.append(self.leases.get_lease(lease.lease_id) or LeaseGone(
-                f"onboard_start_many: lease {lease.lease_id} was aborted during its launch"))
+                f"onboard_start_many: lease {lease.lease_id} was aborted during its start"))
         return out
 
     def onboards_in_flight(self) -> int:
@@ -357,33 +364,53 @@ class KVCacheManager:
             return len(self._in_flight)
 
     def poll_onboards(self, now: float | None = None) -> list[int]:
-        """Settle the in-flight onboards whose copy ended (one store ``try_wait`` for all of
-        them) or whose deadline passed (a timeout: the copy is cancelled, and its pages are
+        """Ask the store for the onboards started since the last poll (``get_prefix_async``
+        each: a lease whose store holds none of its onboard pages is settled at once), then
+        settle the in-flight onboards whose copy ended (one store ``try_wait`` for all of them)
+        or whose deadline passed (a timeout: the copy is cancelled, and its pages are
         quarantined while it may still write). Returns the lease ids settled."""
         with self._in_flight_lock:
             pending = dict(self._in_flight)
         if not pending:
             return []
+        now = self.clock() if now is None else now
+        settled = []
+        for lease_id, (task, deadline) in list(pending.items()):
+            if task is not None:
+                continue
+            lease = self.leases.get_lease(lease_id)
+            task = self._ask_store(lease) if lease is not None and now < deadline else None
+            if task is None:  # nothing to copy, refused, gone or late: those pages are computed
+                self._settle_started(lease_id, None, None)
+                settled.append(lease_id)
+                del pending[lease_id]
+                continue
+            with self._in_flight_lock:
+                self._in_flight[lease_id] = pending[lease_id] = (task, deadline)
+        if not pending:
+            return settled
         try:
             statuses = self.store.try_wait([task for task, _ in pending.values()])
         except Exception:
             logger.warning("host store try_wait failed for onboards of leases %s", list(pending), exc_info=True)
             self.leases.count("store_errors")
             statuses = {}
-        now = self.clock() if now is None else now
-        settled = []
         for lease_id, (task, deadline) in pending.items():
             status = Status(statuses.get(task, Status.UNREADY))
             if not status.done and now < deadline:
                 continue
-            try:
-                self._settle_onboard(lease_id, task, status if status.done else Status.TIMEOUT)
-            except (LeaseGone, PoolExhausted):
-                pass  # aborted meanwhile, or no fresh pages: the lease is released; onboard_result says so
-            with self._in_flight_lock:
-                del self._in_flight[lease_id]
+            self._settle_started(lease_id, task, status if status.done else Status.TIMEOUT)
             settled.append(lease_id)
         return settled
+
+    def _settle_started(self, lease_id: int, task: int | None, status: Status | None) -> None:
+        """Settle an onboard of ``onboard_start_many`` and forget it."""
+        try:
+            self._settle_onboard(lease_id, task, status)
+        except (LeaseGone, PoolExhausted):
+            pass  # aborted meanwhile, or no fresh pages: the lease is released; onboard_result says so
+        with self._in_flight_lock:
+            del self._in_flight[lease_id]
 
     def onboard_result(self, lease_id: int) -> Lease | LeaseGone | None:
         """None while the lease's onboard (from ``onboard_start_many``) is in flight; then the

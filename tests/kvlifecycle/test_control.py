@@ -8,9 +8,11 @@ import torch
 import zmq
 
 from kvlifecycle.control import ControlClient, ControlError, ControlServer, ControlTimeout
+from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PoolSpec
 from kvlifecycle.rpc import RpcStatus, decode, default_endpoint, encode
 
+from ..helpers import wait_for
 from .conftest import kv_owner, run_child
 from .kvl_fakes import FakeStore
 
@@ -119,9 +121,11 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
         mgr.abort(first.lease_id)
         other = mgr.allocate(2, list(range(100, 104)))
         store.get_status = "UNREADY"
-        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
-        task = next(t for t, status in store.tasks.items() if status == "UNREADY")
+        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens, ask_store=False))])
         assert lease.onboarding and lease.cached_len == 8
+        # the control plane's thread asks the store; the copy stays in flight
+        task = wait_for(lambda: next((t for t, status in list(store.tasks.items()) if status == "UNREADY"), None),
+                        5.0, "the control thread to launch the onboard", interval_s=0.005)
 
         outcome = []
         with ControlClient(owner.endpoint) as waiter, ControlClient(owner.endpoint) as client:
@@ -134,6 +138,29 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
             thread.join(5.0)
         assert [(o.lease_id, o.cached_len, o.page_row) for o in outcome] == [(lease.lease_id, 8, lease.page_row)]
         assert mgr.onboards_in_flight() == 0
+
+
+def test_wake_has_the_idle_thread_ask_the_store_at_once():
+    """kv_lookup_alloc starts an onboard and wakes the control thread: the store is asked and the
+    copy settled within milliseconds, not at the idle thread's next timeout (5 s here)."""
+    pool = torch.zeros(2, 8, 2, 4, 1, 2)
+    store = FakeStore(pool, SPEC.page_size)  # FAKE host store: copies when asked
+    mgr = KVCacheManager(SPEC, "ns", store)
+    tokens = list(range(8))
+    first = mgr.allocate(1, tokens)
+    for key, page in zip(first.keys, first.page_row):  # the host store holds both pages
+        store.pages[key] = pool[:, page].clone()
+    mgr.abort(first.lease_id)
+    with ControlServer(mgr, default_endpoint("control.sock"), expire_interval_s=10.0) as server:
+        time.sleep(0.05)  # the thread is in its idle poll
+        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens, ask_store=False))])
+        assert lease.onboarding and not store.tasks, "the start asks the store nothing"
+        started = time.monotonic()
+        server.wake()
+        done = wait_for(lambda: mgr.onboard_result(lease.lease_id), 2.0, "the woken thread to settle the onboard",
+                        interval_s=0.001)
+        assert time.monotonic() - started < 1.0
+        assert done.onboarded and done.cached_len == 8
 
 
 def test_onboard_wait_for_a_lease_without_an_onboard_or_a_gone_one_is_answered_at_once():

@@ -440,10 +440,13 @@ def test_onboard_many_waits_once_for_every_copy_and_fails_per_request(smgr, stor
 
 
 def started_host_hit(smgr, store, tokens):
-    """A host hit whose onboard copy is launched and stays in flight (the fake store's get is UNREADY)."""
+    """A host hit whose onboard copy is launched by the first poll and stays in flight (the fake
+    store's get is UNREADY)."""
     fill_host(smgr, store, tokens)
     store.get_status = "UNREADY"
-    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens, ask_store=False))])
+    assert not any(status == "UNREADY" for status in store.tasks.values()), "start must not ask the store"
+    assert smgr.poll_onboards() == []  # asks the store; the copy stays in flight
     store.get_status = None
     return lease, next(t for t, status in store.tasks.items() if status == "UNREADY")
 
@@ -490,13 +493,24 @@ def test_a_lease_aborted_while_its_copy_runs_is_released_when_it_settles(smgr, s
     baseline_ok(smgr)
 
 
-def test_a_refused_copy_is_settled_at_start_as_pages_to_compute(smgr, store):
+@pytest.mark.parametrize("case", ["store refuses", "store holds none", "first poll after the deadline"])
+def test_a_start_the_store_cannot_serve_is_settled_by_the_first_poll_as_pages_to_compute(smgr, store, clock,
+                                                                                        case):
     tokens = list(range(8))
-    fill_host(smgr, store, tokens)
-    store.raise_on.add("get_async")
-    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
-    assert lease.onboarded and lease.cached_len == 0 and smgr.onboards_in_flight() == 0
-    assert smgr.onboard_result(lease.lease_id).cached_len == 0
+    if case != "store holds none":
+        fill_host(smgr, store, tokens)
+    if case == "store refuses":
+        store.raise_on.add("get_async")
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens, ask_store=False))])
+    assert lease.onboarding and lease.cached_len == 8 and smgr.onboards_in_flight() == 1
+    if case == "first poll after the deadline":
+        clock.now += smgr.store_timeout_s + 0.1
+    asked = len(store.tasks)
+    assert smgr.poll_onboards() == [lease.lease_id], case
+    if case == "first poll after the deadline":
+        assert len(store.tasks) == asked, "a late start asks the store nothing"
+    done = smgr.onboard_result(lease.lease_id)
+    assert done.onboarded and done.cached_len == 0 and smgr.onboards_in_flight() == 0, case
     smgr.abort(lease.lease_id)
     baseline_ok(smgr)
 

@@ -6,11 +6,12 @@ kv_offload (commits, offload completions) and hstu_compute (aborts) talk to.
 
 Dynamic batching hands `execute` every queued request. They go through the cache together
 (`KVCacheManager.lookup_many`, `allocate_many`, `onboard_start_many`): one table lock per step.
-A host hit's copy into the pool is launched and not waited for: the request is answered at once
-with the pages it will read (`onboard_len` of them still being copied), and hstu_compute asks
-this process's control plane how that request's copy ended before it reads them, so a slow copy
-holds no other request here. The control plane's thread settles each copy when the store
-reports it done, or as a timeout (the request recomputes those pages). The request's namespace,
+A request with pages beyond its device prefix (`min_host_pages` or more) is answered at once
+with them as onboard pages (`onboard_len`), without asking the host store here: the control
+plane's thread asks it (one round trip: copy the ones you hold) and settles each copy when the
+store reports it done, or as a timeout; pages not copied are recomputed. hstu_compute asks this
+process's control plane how that request's onboard ended before it reads them, so neither a
+store round trip nor a slow copy holds another request here. The request's namespace,
 page keys and token ids are fixed here, once, and travel with its lease. A bad request or an
 exhausted pool becomes an error response for that request only and changes no cache state.
 """
@@ -128,6 +129,8 @@ class TritonPythonModel:
         allocated = time.perf_counter()
         try:
             leases = manager.onboard_start_many(leases)  # settled within settings.timeouts.onboard_wait_s
+            if any(isinstance(lease, Lease) and lease.onboarding for lease in leases):
+                self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
             responses = [self._response(r, tokens, lease) for (r, tokens), lease in zip(batch, leases)]
         except Exception:
