@@ -20,12 +20,12 @@ every onboard of the batch; per-request outcomes, never one exception for the ba
     leases = mgr.onboard_many(leases)                       # list[Lease | LeaseGone | PoolExhausted]
     done   = mgr.commit_many(lease_ids)                     # list[Committed]
 
-Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` launches
-the copies and returns at once; a lease whose copy is in flight stays ``onboarding``.
-``poll_onboards`` (the control plane's thread calls it while any is in flight) settles each one
-when its copy ends, or as a timeout ``store_timeout_s`` after its launch; ``onboard_result``
-says whether a lease's onboard is settled, and how (the consumer of its pages asks before it
-reads them)::
+Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` marks
+each lease with onboard pages ``onboarding`` and returns at once, without asking the store.
+``poll_onboards`` (the control plane's thread calls it while any is in flight) asks the store
+for each new one (``get_prefix_async``: one round trip) and settles each one when its copy
+ends, or as a timeout ``store_timeout_s`` after its start; ``onboard_result`` says whether a
+lease's onboard is settled, and how (the consumer of its pages asks before it reads them)::
 
     leases = mgr.onboard_start_many(leases)   # in flight: lease.onboarding; others settled now
     mgr.poll_onboards()                       # repeatedly, until onboards_in_flight() == 0
