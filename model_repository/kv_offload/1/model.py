@@ -1,13 +1,14 @@
 """kv_offload: answer, then commit and offload off the request's critical path.
 
 Dynamic batching hands `execute` every queued request. It answers them with the scores and
-hands each one's lease id and history (copied: the request's buffers end with `execute`) to the
-background `OffloadWorker`, which commits every lease queued since its last turn with the owner
-(kv_lookup_alloc) in one control round trip, puts the committed pages into the host store, and
-reaps finished puts. The token ids the store keys pages by are made there, only for the
-requests with pages to put (kv_lookup_alloc validated every history already). Committing after the answer takes the control round trip (0.6-1.2 ms on the
-H200 host) off every request and off this model's `execute`; a user's next request, which can
-arrive before that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 20 ms by default),
+hands each one's lease id and history (`input_tensor` copies it: the request's buffers end with
+`execute`) to the background `OffloadWorker`, which commits every lease queued since its last
+turn with the owner (kv_lookup_alloc) in one control round trip, puts the committed pages into
+the host store, and reaps finished puts. The token ids the store keys pages by are made there,
+only for the requests with pages to put (kv_lookup_alloc validated every history already).
+Committing after the answer takes the control round trip (0.6-1.2 ms on the H200 host) off
+every request and off this model's `execute`; a user's next request, which can arrive before
+that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 20 ms by default),
 so it still finds the pages. The model is not decoupled: the offload never ran inside
 `execute`, and a decoupled sender costs a synchronous round trip to the server per send.
 `finalize` (model unload, server stop) flushes: it commits what is queued and waits for every
@@ -63,7 +64,7 @@ class TritonPythonModel:
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
                 lease_id = ComputePlan.lease_id_of(input_tensor(request, "compute_plan"))
-                history = tuple(input_tensor(request, name).reshape(-1).clone() for name in ("item_ids", "action_ids"))
+                history = tuple(input_tensor(request, name).reshape(-1) for name in ("item_ids", "action_ids"))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 responses.append(error_response(f"kv_offload: {e}"))
