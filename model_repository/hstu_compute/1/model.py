@@ -7,11 +7,12 @@ tokens' KV into it. If the batch fails, each request is retried alone so one bad
 alone; a failed request's lease is aborted so its pages return at once. It answers with the
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
-Onboarding: kv_lookup_alloc launches a host hit's copy into the pool and answers without waiting
-(`onboard_len` > 0). Before it reads those pages, this model asks the owner's control plane how
-the copies of its batch's host hits ended (`onboard_wait`, one round trip per batch): each
-request then reads what was copied and computes the rest (a failed or late copy means
-recomputing those tokens, and a copy that may still be running moves the request to fresh pages).
+Onboarding: kv_lookup_alloc answers a request with pages beyond its device prefix before the
+host store is even asked about them (`onboard_len` > 0). This model first computes the batch's
+other requests, then asks the owner's control plane how those onboards ended (`onboard_wait`,
+one round trip per batch): each such request then reads what was copied and computes the rest
+(pages the store did not hold, or a failed or late copy, are computed; a copy that may still be
+running moves the request to fresh pages).
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
@@ -80,15 +81,31 @@ class TritonPythonModel:
                 responses[i] = error_response(
                     f"hstu_compute: lease {p.lease_id} was made for another model version's KV (this is version "
                     f"{self.version}; a rollout happened while the request was in flight)", retryable=True)
-        onboarding = [i for i, p in enumerate(parsed) if responses[i] is None and p.onboard_len]
+        # The requests whose pages are all in the pool first: their compute overlaps the onboards
+        # still running for the others, which are waited for after it.
+        ready = [i for i, r in enumerate(responses) if r is None and not parsed[i].onboard_len]
+        onboarding = [i for i, r in enumerate(responses) if r is None and parsed[i].onboard_len]
+        self._compute(pool, parsed, responses, ready)
         if onboarding:
             self._settle_onboards(parsed, responses, onboarding)
-        good = [i for i, r in enumerate(responses) if r is None]
+            self._compute(pool, parsed, responses, [i for i in onboarding if responses[i] is None])
+        return responses
+
+    def finalize(self):
+        self.metrics.close()
+        self.control.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _compute(self, pool: PagePool, parsed: list, responses: list, ready: list[int]) -> None:
+        """Score the requests `ready` (indices into `parsed`) and put their responses in place."""
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
         shapes = [(parsed[i].new_tokens.numel() + parsed[i].candidates.numel(),
-                   parsed[i].cached_len + parsed[i].new_tokens.numel()) for i in good]
+                   parsed[i].cached_len + parsed[i].new_tokens.numel()) for i in ready]
         for group in plan_sub_batches(shapes):
-            members = [good[j] for j in group]
+            members = [ready[j] for j in group]
             started = time.perf_counter()
             try:
                 for i, scores in zip(members, self._score(pool, [parsed[i] for i in members])):
@@ -99,15 +116,6 @@ class TritonPythonModel:
                 logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
                 for i in members:
                     responses[i] = self._score_alone(pool, parsed[i])
-        return responses
-
-    def finalize(self):
-        self.metrics.close()
-        self.control.close()
-        if self.pool is not None:
-            self.pool.close()
-
-    # ---- helpers ----------------------------------------------------------------------------
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
