@@ -292,7 +292,7 @@ class FlexKVStoreServer:
     def _held_prefix(pool: "_FlexKVPool", tokens: np.ndarray, namespace: list[str]) -> int:
         """Whole pages of ``tokens``, from the first, that FlexKV holds."""
         task_id, mask = pool.manager.get_match(tokens, namespace=namespace)
-        pool.manager.cancel([task_id])  # our client launches its own get
+        pool.manager.cancel([task_id])  # the match's prepared get is never launched: gets are tasks of their own
         return int(np.asarray(mask, dtype=bool).sum()) // pool.spec.page_size
 
     def _put(self, pool: _FlexKVPool, tokens: np.ndarray, seq_pages: np.ndarray, pool_pages: np.ndarray,
@@ -305,10 +305,9 @@ class FlexKVStoreServer:
         no longer holds could never be matched anyway, and fails without copying."""
         page_size = pool.spec.page_size
         first, last = int(seq_pages.min()), int(seq_pages.max())
-        if first > 0:
-            if self._held_prefix(pool, tokens[: first * page_size], namespace) < first:
-                self._counters["put_prefix_missing"] += 1
-                return _Task(Op.PUT, -1, 0)  # polls as FAILED: the pages stay on the device only
+        if first > 0 and self._held_prefix(pool, tokens[: first * page_size], namespace) < first:
+            self._counters["put_prefix_missing"] += 1
+            return _Task(Op.PUT, -1, 0)  # polls as FAILED: the pages stay on the device only
         order = np.argsort(seq_pages, kind="stable")
         pages = np.full(last + 1, pool_pages[order][0], dtype=np.int64)  # stand-ins for the held prefix
         pages[first:] = pool_pages[order]

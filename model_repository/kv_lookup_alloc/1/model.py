@@ -122,7 +122,7 @@ class TritonPythonModel:
         manager = self.cache.manager
         n = len(batch)
         started = time.perf_counter()
-        # The store is asked once per host-hit candidate, by the onboard's launch (one round trip).
+        # The store is not asked here: the control plane's thread asks it about each onboard started.
         hits = manager.lookup_many([(r.user_id, tokens) for r, tokens in batch], ask_store=False)
         looked_up = time.perf_counter()
         leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
