@@ -60,8 +60,9 @@ def backing_factory(args: argparse.Namespace) -> BackingFactory:
     return LocalConfig(dram_bytes=args.dram_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes).factory()
 
 
-def serve(args: argparse.Namespace, worker: CopyWorker) -> int:
-    """Serve with ``worker`` as the copy thread until SIGTERM/SIGINT; the exit code."""
+def serve(args: argparse.Namespace, worker: CopyWorker, server_class: type[StoreServer] = StoreServer) -> int:
+    """Serve with ``worker`` as the copy thread until SIGTERM/SIGINT; the exit code. (Tests pass a
+    slowed worker or server class: tests/slow_store.py.)"""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = ServerConfig(endpoint=args.endpoint)
@@ -69,7 +70,7 @@ def serve(args: argparse.Namespace, worker: CopyWorker) -> int:
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"python -m kvlifecycle.store: {e}") from None
     hand_over_gil_promptly()  # the socket thread answers get_match while the copy thread runs Python
-    server = StoreServer(config, PoolRegistry(make_backing), worker)
+    server = server_class(config, PoolRegistry(make_backing), worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.serve_forever()

@@ -7,8 +7,8 @@
   that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
-  process, and a store started while `store_copy_delay_s` > 0 runs `tests/slow_store.py` (the real
-  store server whose copies each sleep that long).
+  process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 runs
+  `tests/slow_store.py` (the real store server whose copies, or matches, each sleep that long).
 - `owner_stats(server)`: kv_lookup_alloc's page table counters, read over its control socket
   (exact and immediate; the metrics port lags by up to a second).
 - `wait_drained(server)`: waits until no page is leased or pinned (every lease committed or
@@ -83,15 +83,18 @@ def fault_launch_config(root: Path):
 class FaultServer(LocalServer):
     """`LocalServer` whose store the tests can kill, or start with slow copies."""
 
-    store_copy_delay_s = 0.0  # > 0: the next start_store() runs tests/slow_store.py with this delay
+    # > 0: the next start_store() runs tests/slow_store.py with these delays
+    store_copy_delay_s = 0.0
+    store_match_delay_s = 0.0
 
     def store_command(self) -> list[str]:
         cmd = super().store_command()
-        if not self.store_copy_delay_s:
+        if not (self.store_copy_delay_s or self.store_match_delay_s):
             return cmd
         python, module = cmd[0], cmd[1:3]
         assert module == ["-m", "kvlifecycle.store"], f"store_command: expected python -m kvlifecycle.store, got {cmd}"
-        return [python, str(SLOW_STORE), "--copy-delay-s", str(self.store_copy_delay_s), *cmd[3:]]
+        return [python, str(SLOW_STORE), "--copy-delay-s", str(self.store_copy_delay_s),
+                "--match-delay-s", str(self.store_match_delay_s), *cmd[3:]]
 
     def kill_store(self) -> None:
         """SIGKILL the store process; `start_store()` brings it back."""

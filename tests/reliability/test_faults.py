@@ -236,6 +236,44 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
     wait_drained(fault_server, timeout_s=120)  # quarantined pages return once the store's task ends
 
 
+def test_a_store_that_stops_answering_never_holds_the_owner(fault_server: FaultServer, reference) -> None:
+    """The store's socket thread stalls 3 s in every match (longer than a store RPC may take:
+    rpc.Timeouts.store_rpc_s, 0.5 s). A user whose history only the store holds is served by
+    recompute, and kv_lookup_alloc's execute never waits for the store: the store is asked from
+    its control thread, and hstu_compute waits for that answer (or its timeout) alone."""
+    user = history(3200, 400, seed=3)
+    with RankingClient(fault_server.grpc_url, timeout_s=120) as client:
+        check_scores(reference, user, client.score(user))
+        wait_drained(fault_server)  # its pages are in the store
+        evict_from_device(client, first_user=3300)
+        wait_drained(fault_server)
+        fault_server.stop_store()
+        fault_server.store_match_delay_s = 3.0
+        try:
+            fault_server.start_store()
+            register_pool(fault_server)
+            before = owner_stats(fault_server)
+            triton_before = read_model_stats(fault_server.http_url)
+            grown = RankingRequest(user.user_id, user.item_ids + [7, 8], user.action_ids + [1, 2], user.candidate_ids)
+            check_scores(reference, grown, client.score(grown), what="with a store that stopped answering,")
+            after = owner_stats(fault_server)
+            triton_after = read_model_stats(fault_server.http_url)
+        finally:
+            fault_server.kill_store()
+            fault_server.store_match_delay_s = 0.0
+            fault_server.start_store()
+            register_pool(fault_server)
+    assert after["lookups_miss"] == before["lookups_miss"] + 1, f"expected a miss: {before} -> {after}"
+    assert after["onboarded_pages"] == before["onboarded_pages"]
+    in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
+                for m in (LOOKUP, COMPUTE)}
+    # Before the store was asked from the control thread, the owner's execute waited out the
+    # store RPC timeout (0.5 s) in its lookup.
+    assert in_model[LOOKUP] < 0.25 and in_model[COMPUTE] > 0.4, f"seconds in each model's execute: {in_model}"
+    print(f"store not answering: recomputed; seconds in execute: {in_model}")
+    wait_drained(fault_server, timeout_s=120)
+
+
 def test_pool_pressure_from_concurrent_long_requests_waits_or_errors_clearly_never_hangs(fault_server: FaultServer,
                                                                                          reference) -> None:
     """A long request (128 pages) keeps hstu_compute busy (about 0.7 s) while 10 requests of 64
