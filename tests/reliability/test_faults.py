@@ -197,17 +197,21 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
     assert store_errors(fault_server) == errors, "store errors still growing after the store came back"
 
 
-def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: FaultServer, reference) -> None:
-    user = history(3000, 400, seed=2)
+def next_request_from_a_slowed_store(fault_server: FaultServer, reference, user: RankingRequest, evict_from: int,
+                                     what: str, **delays: float):
+    """Serve `user`, push its pages out of the device pool (the store holds them), restart the
+    store with `delays` (`copy_delay_s`, `match_delay_s`: see FaultServer) and serve the user's
+    next request (two more events), checking its scores. Returns the owner's stats before and
+    after it, the seconds kv_lookup_alloc and hstu_compute spent in execute on it, and its
+    latency. The store is restarted without delays afterwards."""
     with RankingClient(fault_server.grpc_url, timeout_s=120) as client:
         check_scores(reference, user, client.score(user))
         wait_drained(fault_server)  # its pages are in the store (DRAM, then disk)
-        evict_from_device(client, first_user=3100)
+        evict_from_device(client, first_user=evict_from)
         wait_drained(fault_server)
-        # The same store contents (disk tier), now with every copy delayed by 3 s: longer than
-        # kv_lookup_alloc waits for an onboard (rpc.Timeouts.onboard_wait_s: 2 s).
-        fault_server.stop_store()
-        fault_server.store_copy_delay_s = 3.0
+        fault_server.stop_store()  # the same store contents (disk tier), now slowed
+        for name, seconds in delays.items():
+            setattr(fault_server, f"store_{name}", seconds)
         try:
             fault_server.start_store()
             register_pool(fault_server)
@@ -215,20 +219,29 @@ def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: Fa
             triton_before = read_model_stats(fault_server.http_url)
             grown = RankingRequest(user.user_id, user.item_ids + [7, 8], user.action_ids + [1, 2], user.candidate_ids)
             start = time.monotonic()
-            check_scores(reference, grown, client.score(grown), what="with a slow store,")
+            check_scores(reference, grown, client.score(grown), what=what)
             took = time.monotonic() - start
             after = owner_stats(fault_server)
             triton_after = read_model_stats(fault_server.http_url)
         finally:
             fault_server.kill_store()
-            fault_server.store_copy_delay_s = 0.0
+            for name in delays:
+                setattr(fault_server, f"store_{name}", 0.0)
             fault_server.start_store()
             register_pool(fault_server)
+    in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
+                for m in (LOOKUP, COMPUTE)}
+    return before, after, in_model, took
+
+
+def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: FaultServer, reference) -> None:
+    # Every copy delayed by 3 s: longer than an onboard may take (rpc.Timeouts.onboard_wait_s: 2 s).
+    before, after, in_model, took = next_request_from_a_slowed_store(
+        fault_server, reference, history(3000, 400, seed=2), evict_from=3100, what="with a slow store,",
+        copy_delay_s=3.0)
     assert after["lookups_host_hit"] == before["lookups_host_hit"] + 1, "the slow store did not report a host hit"
     assert after["store_timeouts"] > before["store_timeouts"], f"no onboard timeout: {before} -> {after}"
     assert after["onboarded_pages"] == before["onboarded_pages"], "pages counted as onboarded from a timed-out get"
-    in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
-                for m in (LOOKUP, COMPUTE)}
     # The owner launched the copy and answered at once; hstu_compute waited for it (2 s) alone.
     assert in_model[LOOKUP] < 0.5 < 1.5 < in_model[COMPUTE], f"seconds in each model's execute: {in_model}"
     print(f"slow store: host hit, onboard timed out, recomputed; answered in {took:.1f}s; seconds in execute: "
@@ -241,36 +254,15 @@ def test_a_store_that_stops_answering_never_holds_the_owner(fault_server: FaultS
     rpc.Timeouts.store_rpc_s, 0.5 s). A user whose history only the store holds is served by
     recompute, and kv_lookup_alloc's execute never waits for the store: the store is asked from
     its control thread, and hstu_compute waits for that answer (or its timeout) alone."""
-    user = history(3200, 400, seed=3)
-    with RankingClient(fault_server.grpc_url, timeout_s=120) as client:
-        check_scores(reference, user, client.score(user))
-        wait_drained(fault_server)  # its pages are in the store
-        evict_from_device(client, first_user=3300)
-        wait_drained(fault_server)
-        fault_server.stop_store()
-        fault_server.store_match_delay_s = 3.0
-        try:
-            fault_server.start_store()
-            register_pool(fault_server)
-            before = owner_stats(fault_server)
-            triton_before = read_model_stats(fault_server.http_url)
-            grown = RankingRequest(user.user_id, user.item_ids + [7, 8], user.action_ids + [1, 2], user.candidate_ids)
-            check_scores(reference, grown, client.score(grown), what="with a store that stopped answering,")
-            after = owner_stats(fault_server)
-            triton_after = read_model_stats(fault_server.http_url)
-        finally:
-            fault_server.kill_store()
-            fault_server.store_match_delay_s = 0.0
-            fault_server.start_store()
-            register_pool(fault_server)
+    before, after, in_model, took = next_request_from_a_slowed_store(
+        fault_server, reference, history(3200, 400, seed=3), evict_from=3300,
+        what="with a store that stopped answering,", match_delay_s=3.0)
     assert after["lookups_miss"] == before["lookups_miss"] + 1, f"expected a miss: {before} -> {after}"
     assert after["onboarded_pages"] == before["onboarded_pages"]
-    in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
-                for m in (LOOKUP, COMPUTE)}
     # Before the store was asked from the control thread, the owner's execute waited out the
     # store RPC timeout (0.5 s) in its lookup.
     assert in_model[LOOKUP] < 0.25 and in_model[COMPUTE] > 0.4, f"seconds in each model's execute: {in_model}"
-    print(f"store not answering: recomputed; seconds in execute: {in_model}")
+    print(f"store not answering: recomputed in {took:.1f}s; seconds in execute: {in_model}")
     wait_drained(fault_server, timeout_s=120)
 
 
