@@ -91,7 +91,7 @@ for stage in "${STAGES[@]}"; do
     tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true
   fi
   if [ "$stage" = sweep ] || [ "$stage" = pooldemo ] || [ "$stage" = bench ]; then
-    python3 -m deploy.make_configs --device cuda
+    python3 -m deploy.make_configs --device cuda ${MAKE_CONFIGS_ARGS:-}  # e.g. "--compute-instances 2"
   fi
   for name in $CONFIGS; do
     config="deploy/configs/gpu_${name}_bf16.json"

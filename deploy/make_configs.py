@@ -57,7 +57,8 @@ LIFECYCLE_MAX_BATCH_SIZE = 1
 
 
 def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_delay_us: int = 0,
-           lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE, offload_instances: int = 1) -> dict[str, str]:
+           lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE, offload_instances: int = 1,
+           compute_instances: int = 1) -> dict[str, str]:
     """config.pbtxt text of every model, keyed by model name. The ensemble's three steps are
     batched models (`queue_delay_us`); hstu_compute takes up to `max_batch_size` requests per
     execute, kv_lookup_alloc and kv_offload up to `lifecycle_max_batch_size` (see
@@ -82,7 +83,9 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
         + _io("input", schema.LOOKUP_OUTPUTS, batched=True)
         + _io("output", compute_out, batched=True)
         + _dynamic_batching(queue_delay_us)
-        + _instances(gpu_kind, 1)
+        # Any number: each instance attaches the one pool; a batch waiting for its copies then
+        # holds only its own instance.
+        + _instances(gpu_kind, compute_instances)
     )
     configs[schema.OFFLOAD] = (
         # Batched: one control round trip commits every queued request. Not decoupled: the
@@ -155,11 +158,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offload-instances", type=int, default=1,
                    help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest "
                         "step at c=32")
+    p.add_argument("--compute-instances", type=int, default=1,
+                   help="hstu_compute processes (default %(default)s). An experiment, not measured on the GPU "
+                        "yet: on the H200 one instance holds a whole batch while its host hits' copies finish. "
+                        "On a 2-core CPU machine 2 instances made the p99 12x worse (their threads share the cores)")
     a = p.parse_args(argv)
-    if a.offload_instances < 1:
-        p.error(f"--offload-instances {a.offload_instances}: expected at least 1")
+    for name in ("offload_instances", "compute_instances"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected at least 1")
     write(a.repository, render(num_tasks_of(a.model_dir), a.device, a.max_batch_size, a.queue_delay_us,
-                               a.lifecycle_max_batch_size, a.offload_instances))
+                               a.lifecycle_max_batch_size, a.offload_instances, a.compute_instances))
 
 
 if __name__ == "__main__":
