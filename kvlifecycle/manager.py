@@ -68,7 +68,7 @@ from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
 from kvlifecycle.leases import Lease, LeaseTable, ReserveAsk
 from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
-from kvlifecycle.store.api import Status
+from kvlifecycle.store.api import Status, held_pages
 
 if TYPE_CHECKING:
     from kvlifecycle.store.api import HostStoreClient
@@ -202,11 +202,11 @@ class KVCacheManager:
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False
-            beyond = len(keys) - len(device)
-            unasked = self.store is not None and beyond >= self.min_host_pages and not ask_store
+            worth_asking = self.store is not None and len(keys) - len(device) >= self.min_host_pages
+            unasked = worth_asking and not ask_store
             if unasked:
                 host_pages = len(keys)
-            elif self.store is not None and beyond >= self.min_host_pages:
+            elif worth_asking:
                 host_pages, store_error = self._host_match(request_tokens[: len(keys) * self.page_size])
             results.append(LookupResult(
                 user_id=int(user_id),
@@ -482,9 +482,7 @@ class KVCacheManager:
                            tokens.shape, mask.shape)
             self.leases.count("store_errors")
             return 0, True
-        misses = np.flatnonzero(~mask)
-        prefix = int(misses[0]) if misses.size else int(mask.size)
-        return prefix // self.page_size, False
+        return held_pages(mask, self.page_size), False
 
     def _wait(self, tasks: list[int], timeout_s: float) -> dict[int, Status]:
         """Each task's status, from one store ``wait``; TIMEOUT for every task when the wait

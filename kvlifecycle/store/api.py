@@ -16,7 +16,7 @@ from kvlifecycle.hashing import TokenIds, tokens_as_int64
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages", "prefix_mask"]
+__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages", "prefix_mask", "held_pages"]
 
 DEFAULT_WAIT_TIMEOUT_S = 20.0
 
@@ -89,8 +89,7 @@ class HostStoreClient(abc.ABC):
         match_task, mask = self.get_match(tokens, namespace)
         self.cancel([match_task])  # the get below is its own task
         self.try_wait([match_task])
-        misses = np.flatnonzero(~np.asarray(mask, dtype=bool))
-        held = (int(misses[0]) if misses.size else int(tokens.size)) // self.page_size
+        held = held_pages(mask, self.page_size)
         if held <= first_page:
             return None, held
         copy = np.zeros(tokens.size, dtype=bool)
@@ -194,6 +193,12 @@ def prefix_mask(num_tokens: int, held_pages: int, page_size: int) -> np.ndarray:
     mask = np.zeros(num_tokens, dtype=bool)
     mask[: held_pages * page_size] = True
     return mask
+
+
+def held_pages(mask: TokenIds, page_size: int) -> int:
+    """Whole pages from the first that a ``get_match`` mask marks held (the inverse of ``prefix_mask``)."""
+    misses = np.flatnonzero(~np.asarray(mask, dtype=bool))
+    return (int(misses[0]) if misses.size else int(np.asarray(mask).size)) // page_size
 
 
 def _as_bool_mask(token_mask: TokenIds, size: int, caller: str) -> np.ndarray:
