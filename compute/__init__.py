@@ -17,7 +17,7 @@ from compute.batch import PagedBatch, plan_sub_batches
 from compute.build import build
 from compute.checkpoint import fingerprint
 from compute.config import HSTUConfig
-from compute.reference import load_reference
+from compute.reference import default_tolerance, load_reference
 from compute.runtime import load_compiled, load_eager
 from compute.tokens import check_request, history_tokens
 
@@ -30,6 +30,7 @@ __all__ = [
     "history_tokens",
     "load_compiled",
     "load_eager",
+    "default_tolerance",
     "load_reference",
     "plan_sub_batches",
 ]

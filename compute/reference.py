@@ -2,8 +2,9 @@
 
 ``load_reference(repo_dir)`` loads the weights the server serves (``<repo_dir>/hstu_compute/1``,
 or ``repo_dir`` itself when it holds ``hstu_config.json``) and returns a ``ReferenceScorer``,
-whose ``score`` runs the stateless full forward (``HSTUModel.reference_scores``) on the CPU in
-float32: no pages, no cache, no batching.
+whose ``score`` runs the stateless full forward (``HSTUModel.reference_scores``) in float32: no
+pages, no cache, no batching. On the CPU by default; ``device="cuda"`` runs the same float32
+forward on the GPU, where a benchmark checks thousands of requests.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from compute.tokens import Ids, check_request, history_tokens, ids_as_tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODEL_SUBDIR", "ReferenceScorer", "load_reference", "resolve_model_dir"]
+__all__ = ["MODEL_SUBDIR", "ReferenceScorer", "default_tolerance", "load_reference", "resolve_model_dir"]
 
 MODEL_SUBDIR = Path("hstu_compute") / "1"
 
@@ -29,9 +30,10 @@ MODEL_SUBDIR = Path("hstu_compute") / "1"
 class ReferenceScorer:
     """Scores one user's request with the full forward over the whole history."""
 
-    def __init__(self, model_dir: str | os.PathLike) -> None:
+    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu") -> None:
         self.model_dir = Path(model_dir)
-        self.model = load_model(self.model_dir, "cpu").float()
+        self.device = torch.device(device)
+        self.model = load_model(self.model_dir, "cpu").float().to(self.device)
         self.config: HSTUConfig = self.model.config
 
     def score(self, user_id: int, item_ids: Ids, action_ids: Ids, candidate_ids: Ids) -> np.ndarray:
@@ -43,13 +45,19 @@ class ReferenceScorer:
         tokens = history_tokens(item_ids, action_ids, self.config)  # [2n]
         candidates = ids_as_tensor(candidate_ids, "candidate_ids")  # [c]
         with torch.no_grad():
-            scores = self.model.reference_scores(tokens, candidates)
-        return scores.numpy()
+            scores = self.model.reference_scores(tokens.to(self.device), candidates.to(self.device))
+        return scores.cpu().numpy()
 
 
-def load_reference(repo_dir: str | os.PathLike = "model_repository") -> ReferenceScorer:
+def load_reference(repo_dir: str | os.PathLike = "model_repository", device: str = "cpu") -> ReferenceScorer:
     """The reference scorer over the model folder found from ``repo_dir`` (see module docstring)."""
-    return ReferenceScorer(resolve_model_dir(repo_dir))
+    return ReferenceScorer(resolve_model_dir(repo_dir), device)
+
+
+def default_tolerance(config: HSTUConfig) -> float:
+    """The max abs diff a served score may have from this reference: float32 serving agrees to
+    1e-4; bfloat16 or float16 compute, with its rounding over every layer, to 5e-2."""
+    return 1e-4 if config.dtype == "float32" else 5e-2
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:

@@ -29,10 +29,12 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from compute import default_tolerance
 from deploy.bench_phases import PHASES, Bench, BenchConfig, ServedModel
 from deploy.bench_plots import plot_all
-from deploy.bench_report import (BenchReport, ComputeBatching, Machine, ServedModelInfo, ServerSetup, format_summary,
-                                 summarize, to_json)
+from deploy.bench_report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
+                                 format_summary, summarize, to_json)
+from deploy.client import ScoreCheck
 from deploy.launcher import LaunchConfig, Server, free_loopback_ports, new_run_dir
 from deploy.runtime.schema import COMPUTE
 from deploy.runtime.settings import ServingSettings
@@ -55,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offload-compare", action="store_true", help="skip server B (--store none)")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="run only these phases")
     add_serving_options(p, BENCH_OPTIONS, store="embedded")
+    p.add_argument("--tolerance", type=float,
+                   help="max abs diff of a served score from the float32 reference (default: 1e-4 for a float32 "
+                        "model, 5e-2 for bfloat16/float16)")
+    p.add_argument("--no-score-check", action="store_true",
+                   help="do not check the timed requests' scores against the reference scorer")
     p.add_argument("--out-dir", type=Path, default=REPORTS)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -80,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         report = BenchReport(date=dt.datetime.now().isoformat(timespec="seconds"), command=sys.argv, bench_config=cfg,
                              machine=_machine(a.device), servers={"A": _setup(serving_a)},
                              model=_model_info(server, model), load_before=_loadavg())
-        bench = Bench(server, cfg, model)
+        scores = None if a.no_score_check else ScoreCheck(
+            serving_a.model_dir, a.tolerance if a.tolerance is not None else default_tolerance(model.config), a.device)
+        bench = Bench(server, cfg, model, scores)
         report.phases = bench.run_on_a()
         if "offload" in cfg.phases:
             logger.info("starting server B (--store none) for the offload on/off comparison")
@@ -95,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             with _serving(serving_c) as server_c:
                 report.phases.host_hits = bench.host_hits(server_c, pages, serving_a.pool_pages)
         report.load_after = _loadavg()
+        if scores is not None:
+            report.scores = ScoreCheckResult(scores.checked, scores.failed, scores.max_abs_diff, scores.tolerance,
+                                             scores.device)
     report.elapsed_s = time.monotonic() - started
     report.summary = summarize(report)
 
@@ -105,11 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(to_json(report))
     print(format_summary(report))
     print(f"\nwrote {out} (+ {len(report.plots)} plots) in {report.elapsed_s:.0f} s")
+    failed = False
     if bench.failed_requests:
         print(f"hstu-bench: FAIL: {bench.failed_requests} requests failed; the figures above count only the "
               "answered ones", file=sys.stderr)
-        return 1
-    return 0
+        failed = True
+    if report.scores is not None and not report.scores.passed:
+        print(f"hstu-bench: FAIL: {report.scores.failed} of {report.scores.checked} timed requests scored more than "
+              f"{report.scores.tolerance:g} from the reference", file=sys.stderr)
+        failed = True
+    return 1 if failed else 0
 
 
 # ---- helpers ---------------------------------------------------------------------------------------

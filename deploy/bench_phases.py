@@ -18,6 +18,8 @@
                      # per request in flight on A and on C, each replayed twice at c=8 and the second pass timed:
                      # device hits on A, mostly host hits on C (its pool holds a few histories, the store all)
 
+Every timed request's scores are checked against the float32 reference scorer after its run
+(`ScoreCheck`; perf_analyzer's cannot be: it keeps no responses).
 The hstu_kv_* metrics are scraped at every phase boundary (`PhaseResults.kv_cache` holds the deltas).
 Every measured run replays the same trace relabelled into fresh user and item ids (`relabel`): the
 two models share the host store and its keys are content-addressed over tokens, so without it a
@@ -40,7 +42,7 @@ from deploy.bench_perf_analyzer import run_perf_analyzer
 from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
-from deploy.client import RankingClient, ReplayResult, replay
+from deploy.client import RankingClient, ReplayResult, ScoreCheck, replay
 from deploy.launcher import Server
 from deploy.metrics import Metrics, scrape
 from deploy.runtime.cache_owner import pool_spec
@@ -109,8 +111,9 @@ class ServedModel:
 class Bench:
     """All phases against one server (A); `offload_compare` adds a second one (B)."""
 
-    def __init__(self, server: Server, cfg: BenchConfig, model: ServedModel):
+    def __init__(self, server: Server, cfg: BenchConfig, model: ServedModel, scores: ScoreCheck | None = None):
         self.server, self.cfg, self.model = server, cfg, model.config
+        self.scores = scores  # every timed request's scores checked after its run (None: not checked)
         self.page_bytes = model.page_bytes
         self.base = self._trace(cfg.users, cfg.requests)
         # host_hits: many more users than the concurrency, so that a small pool holds few of them, and
@@ -346,6 +349,8 @@ class Bench:
         stats_before, metrics_before = read_model_stats(server.http_url), scrape(server.metrics_url)
         result = self.replay(trace, server, model, concurrency)
         stats_after = read_model_stats(server.http_url)
+        if self.scores is not None:
+            self.scores.check_replay(trace, result)
         metrics_after = _lookups_published(server, _owner(model), _lookups(metrics_before, model) + len(result.scores))
         lookups = kv_cache_stats(metrics_before, metrics_after, self.page_bytes)[_owner(model)].lookups
         return MeasuredRun.of(result, hop_stats(stats_before, stats_after), lookups)
@@ -359,9 +364,11 @@ class Bench:
         outcome of its lookup."""
         stats_before, metrics_before = read_model_stats(self.server.http_url), scrape(self.server.metrics_url)
         t0 = time.perf_counter()
-        client.score(request)
+        scores = client.score(request)
         latency = time.perf_counter() - t0
         hops = hop_stats(stats_before, read_model_stats(self.server.http_url))
+        if self.scores is not None:
+            self.scores.check([request], [scores])
         metrics_after = _lookups_published(self.server, _owner(model), _lookups(metrics_before, model) + 1)
         lookups = kv_cache_stats(metrics_before, metrics_after, 0)[_owner(model)].lookups
         hop = hops.get(COMPUTE if model == ENSEMBLE else MONOLITHIC)
@@ -382,14 +389,16 @@ class Bench:
                 for model in abba(r):
                     requests = block_requests(clients[model])
                     before = read_model_stats(self.server.http_url)
-                    latencies = []
+                    latencies, served = [], []
                     for request in requests:
                         t0 = time.perf_counter()
-                        clients[model].score(request)
+                        served.append(clients[model].score(request))
                         latencies.append(time.perf_counter() - t0)
-                    run = ReplayResult(latencies_s=latencies, scores=dict.fromkeys(range(len(requests))),
+                    run = ReplayResult(latencies_s=latencies, scores=dict(enumerate(served)),
                                        wall_s=sum(latencies))
                     hops = hop_stats(before, read_model_stats(self.server.http_url))
+                    if self.scores is not None:
+                        self.scores.check(requests, served)
                     blocks[model].append(MeasuredRun.of(run, hops, lookups=None))
         finally:
             for client in clients.values():

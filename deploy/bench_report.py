@@ -106,6 +106,22 @@ class Goals:
 
 
 @dataclass
+class ScoreCheckResult:
+    """Every request the bench timed (sweep, device_hit, cache, hop_overhead, offload and host_hits
+    runs) against the float32 reference scorer. perf_analyzer keeps no responses: not checked."""
+
+    checked: int
+    failed: int  # requests whose max abs diff exceeds the tolerance
+    max_abs_diff: float
+    tolerance: float
+    reference_device: str
+
+    @property
+    def passed(self) -> bool:
+        return self.checked > 0 and self.failed == 0
+
+
+@dataclass
 class Summary:
     rows: list[SummaryRow]
     goals: Goals
@@ -122,6 +138,7 @@ class BenchReport:
     model: ServedModelInfo
     load_before: str  # the 1, 5 and 15 min load averages
     phases: PhaseResults = field(default_factory=PhaseResults)
+    scores: ScoreCheckResult | None = None  # None: run with --no-score-check
     load_after: str = ""
     elapsed_s: float = 0.0
     summary: Summary | None = None
@@ -230,6 +247,11 @@ def format_summary(report: BenchReport) -> str:
         if st.stage_ms_mean:
             stages = ", ".join(f"{stage} {ms:.2f}" for stage, ms in st.stage_ms_mean.items())
             lines.append(f"stage time, mean ms per request, {model:<16} {stages}")
+    if report.scores is not None:
+        c = report.scores
+        lines.append(f"scores: {c.checked} timed requests checked against the float32 reference "
+                     f"({c.reference_device}), max abs diff {c.max_abs_diff:.2e}, tolerance {c.tolerance:g}: "
+                     + ("all match" if c.passed else f"FAILED ({c.failed} over the tolerance)"))
     for w in s.warnings:
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)
@@ -248,6 +270,8 @@ def _warnings(report: BenchReport) -> list[str]:
     for model, st in total.items():
         if st.store_errors and model != OFFLOAD:
             out.append(f"{model}: {st.store_errors:.0f} store errors")
+    if report.scores is None:
+        out.append("scores not checked (--no-score-check)")
     sweep = report.phases.sweep
     errors = sum(point.models[m].errors for point in sweep.points for m in MODELS) if sweep else 0
     if errors:

@@ -288,13 +288,47 @@ def partition_by_user(trace: list[RankingRequest], parts: int) -> list[list[int]
     return [sorted(indexes) for indexes in out if indexes]
 
 
-def reference_scores(trace: list[RankingRequest], model_repository: str | Path) -> list[np.ndarray]:
+def reference_scores(trace: list[RankingRequest], model_repository: str | Path,
+                     device: str = "cpu") -> list[np.ndarray]:
     """The reference scorer's scores of every request of ``trace``: compute once, then check
     every run over the same trace against them (``check_scores(..., expected=...)``)."""
     from compute import load_reference
 
-    ref = load_reference(str(model_repository))
+    ref = load_reference(str(model_repository), device)
     return [ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids) for r in trace]
+
+
+class ScoreCheck:
+    """Served scores against the reference scorer, tallied over many runs: hstu-bench checks every
+    request it times, after its run (the check itself is never timed). ``device``: where the
+    float32 reference runs ("cuda" checks thousands of requests in seconds)."""
+
+    def __init__(self, model_repository: str | Path, tolerance: float, device: str = "cpu") -> None:
+        from compute import load_reference
+
+        self.reference = load_reference(str(model_repository), device)
+        self.tolerance = tolerance
+        self.device = device
+        self.checked = 0
+        self.failed = 0  # requests whose max abs diff exceeds the tolerance
+        self.max_abs_diff = 0.0
+
+    def check(self, requests: list[RankingRequest], served: list[np.ndarray]) -> float:
+        """The max abs diff over ``requests`` and their ``served`` scores (same order)."""
+        worst = 0.0
+        for r, scores in zip(requests, served, strict=True):
+            want = self.reference.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
+            diff = float(np.abs(np.asarray(scores) - want).max())
+            worst = max(worst, diff)
+            self.failed += diff > self.tolerance
+        self.checked += len(requests)
+        self.max_abs_diff = max(self.max_abs_diff, worst)
+        return worst
+
+    def check_replay(self, trace: list[RankingRequest], result: ReplayResult) -> float:
+        """``check`` over the requests of ``trace`` that ``result`` scored."""
+        indexes = sorted(result.scores)
+        return self.check([trace[i] for i in indexes], [result.scores[i] for i in indexes])
 
 
 def check_scores(trace: list[RankingRequest], result: ReplayResult, model_repository: str | Path,

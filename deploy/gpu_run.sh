@@ -8,7 +8,7 @@
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
 #            128 requests in flight (a user's requests run in order); every score checked at every
-#            concurrency, clean-stop time)
+#            concurrency, clean-stop time; $SWEEP_REQUESTS requests, default 512)
 #   pooldemo the same demo on a small pool (2,048 pages, about half the trace's working set: host
 #            hits through the onboarding path, every score checked)
 #   bench    hstu-bench's phases $BENCH_PHASES (default: cache device_hit host_hits: device hit / host
@@ -16,7 +16,8 @@
 #            miss, back to back, with each model's Triton compute time; p99 of a host-hit-heavy load
 #            over an all-device-hit one at c=8); "sweep perf_analyzer" adds the bench's own client
 #            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32); "offload" the p99 with offload on
-#            and off at c=8 (a second server, --store none)
+#            and off at c=8 (a second server, --store none). Every request the bench times is checked
+#            against the float32 reference (perf_analyzer's cannot be)
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases and
 #            the --store flexkv serving tests (tests/integration/test_serve_flexkv.py), the store
@@ -96,12 +97,9 @@ for stage in "${STAGES[@]}"; do
   for name in $CONFIGS; do
     config="deploy/configs/gpu_${name}_bf16.json"
     if [ "$stage" = sweep ]; then
-      # The large config's fp32 reference runs on the CPU: 512 requests of 600 events take over 5
-      # minutes there, so its sweep uses shorter histories and fewer requests.
-      trace="--requests 512 --median-events 600"
-      [ "$name" = large ] && trace="--requests 256 --median-events 300"
+      # The float32 reference runs on the GPU too (on the CPU the large config's took over 5 minutes)
       python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
-        --users 128 $trace --concurrency 1 4 8 16 32 64 128 \
+        --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency 1 4 8 16 32 64 128 \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
     fi
     if [ "$stage" = pooldemo ]; then
@@ -112,7 +110,7 @@ for stage in "${STAGES[@]}"; do
     if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
         --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
-        --repeats "${BENCH_REPEATS:-3}" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
+        --repeats "${BENCH_REPEATS:-3}" --tolerance "$TOL" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
     fi
   done

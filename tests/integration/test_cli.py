@@ -108,6 +108,11 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
     assert report["plots"] and all(Path(p).is_file() for p in report["plots"]), report["plots"]
     assert re.search(rf"wrote {re.escape(str(path))} \(\+ {len(report['plots'])} plots\)", done.stdout), done.stdout
     assert np.isfinite(report["summary"]["rows"][0]["throughput_ratio"])
+    # every timed request checked against the reference: the sweep's 16 per model, device_hit's 30 hits
+    # and 30 misses per model
+    assert report["scores"]["checked"] == 2 * 16 + 2 * 2 * 30 and report["scores"]["failed"] == 0, report["scores"]
+    assert 0 <= report["scores"]["max_abs_diff"] <= report["scores"]["tolerance"] == 1e-4, report["scores"]
+    assert "all match" in done.stdout, done.stdout[-2000:]
 
 
 def test_bench_control_compares_the_default_and_the_models_gil_switch_interval(tmp_path: Path) -> None:
