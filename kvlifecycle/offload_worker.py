@@ -37,6 +37,7 @@ import numpy as np
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.page_table import OffloadItem
 from kvlifecycle.pool import slots_for_pages
+from kvlifecycle.queues import STOP, drain
 from kvlifecycle.store.api import Status
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
 
 
 class Offloader:
@@ -168,8 +168,8 @@ class OffloadWorker:
         self.before_put = before_put
         self.on_commit = on_commit
         self.tokens_of = tokens_of
-        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, history), then _STOP
-        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, history, items), then _STOP
+        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, history), then STOP
+        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, history, items), then STOP
         self._commit_thread = threading.Thread(target=self._commit_loop, name="offload-commit", daemon=True)
         self._put_thread = threading.Thread(target=self._put_loop, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
@@ -189,8 +189,8 @@ class OffloadWorker:
     def stop(self, flush_timeout_s: float) -> int:
         """Commit and put everything queued, wait up to `flush_timeout_s` for every put; returns
         the number of puts still pending (0 when everything reached the host store)."""
-        self._answered.put(_STOP)
-        self._commit_thread.join()  # it forwards _STOP to the put thread after its last commit
+        self._answered.put(STOP)
+        self._commit_thread.join()  # it forwards STOP to the put thread after its last commit
         self._put_thread.join()
         left = 0
         if self.offloader is not None:
@@ -212,12 +212,12 @@ class OffloadWorker:
 
     def _commit_loop(self) -> None:
         while True:
-            batches, stop = _drain(self._answered, self._answered.get())  # one commit round trip for all
+            batches, stop = drain(self._answered, self._answered.get())  # one commit round trip for all
             finished = [request for batch in batches for request in batch]
             if finished:
                 self._commit(finished)
             if stop:
-                self._to_put.put(_STOP)
+                self._to_put.put(STOP)
                 return
 
     def _commit(self, finished: list[tuple[int, object]]) -> None:
@@ -239,7 +239,7 @@ class OffloadWorker:
                 first = self._to_put.get(timeout=self.reap_interval_s if self._pending() else 0.5)
             except queue.Empty:
                 first = None
-            batches, stop = _drain(self._to_put, first) if first is not None else ([], False)
+            batches, stop = drain(self._to_put, first) if first is not None else ([], False)
             if batches:
                 self.before_put()
                 for puts in batches:
@@ -271,14 +271,3 @@ class OffloadWorker:
     def _pending(self) -> bool:
         return self.offloader is not None and self.offloader.pending > 0
 
-
-def _drain(q: queue.Queue, first) -> tuple[list, bool]:
-    """``first`` and everything queued after it, up to _STOP: (the items, whether _STOP came)."""
-    items, item = [], first
-    while item is not _STOP:
-        items.append(item)
-        try:
-            item = q.get_nowait()
-        except queue.Empty:
-            return items, False
-    return items, True

@@ -18,6 +18,7 @@ On `fault_server` (small pool, fault injection):
 """
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import time
@@ -198,16 +199,20 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
 
 
 def next_request_from_a_slowed_store(fault_server: FaultServer, reference, user: RankingRequest, evict_from: int,
-                                     what: str, **delays: float):
+                                     what: str, alongside: RankingRequest | None = None, **delays: float):
     """Serve `user`, push its pages out of the device pool (the store holds them), restart the
     store with `delays` (`copy_delay_s`, `match_delay_s`: see FaultServer) and serve the user's
     next request (two more events), checking its scores. Returns the owner's stats before and
-    after it, the seconds kv_lookup_alloc and hstu_compute spent in execute on it, and its
-    latency. The store is restarted without delays afterwards."""
+    after it, the seconds kv_lookup_alloc and hstu_compute spent in execute on it, its latency,
+    and the latency of `alongside`'s next request (None without it): `alongside` is served after
+    the eviction, so its next request, sent while the slowed one waits, is a device hit. The
+    store is restarted without delays afterwards."""
     with RankingClient(fault_server.grpc_url, timeout_s=120) as client:
         check_scores(reference, user, client.score(user))
         wait_drained(fault_server)  # its pages are in the store (DRAM, then disk)
         evict_from_device(client, first_user=evict_from)
+        if alongside is not None:
+            check_scores(reference, alongside, client.score(alongside))
         wait_drained(fault_server)
         fault_server.stop_store()  # the same store contents (disk tier), now slowed
         for name, seconds in delays.items():
@@ -218,9 +223,20 @@ def next_request_from_a_slowed_store(fault_server: FaultServer, reference, user:
             before = owner_stats(fault_server)
             triton_before = read_model_stats(fault_server.http_url)
             grown = RankingRequest(user.user_id, user.item_ids + [7, 8], user.action_ids + [1, 2], user.candidate_ids)
-            start = time.monotonic()
-            check_scores(reference, grown, client.score(grown), what=what)
-            took = time.monotonic() - start
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                start = time.monotonic()
+                scored = pool.submit(client.score, grown)
+                alongside_took = None
+                if alongside is not None:
+                    time.sleep(0.2)  # the slowed request is in the pipeline
+                    with RankingClient(fault_server.grpc_url, timeout_s=120) as other:
+                        nxt = RankingRequest(alongside.user_id, alongside.item_ids + [7, 8],
+                                             alongside.action_ids + [1, 2], alongside.candidate_ids)
+                        sent = time.monotonic()
+                        check_scores(reference, nxt, other.score(nxt), what=f"{what} alongside,")
+                        alongside_took = time.monotonic() - sent
+                check_scores(reference, grown, scored.result(), what=what)
+                took = time.monotonic() - start
             after = owner_stats(fault_server)
             triton_after = read_model_stats(fault_server.http_url)
         finally:
@@ -231,21 +247,25 @@ def next_request_from_a_slowed_store(fault_server: FaultServer, reference, user:
             register_pool(fault_server)
     in_model = {m: (triton_after[m].stages["compute_infer"] - triton_before[m].stages["compute_infer"]).ns / 1e9
                 for m in (LOOKUP, COMPUTE)}
-    return before, after, in_model, took
+    return before, after, in_model, took, alongside_took
 
 
 def test_slow_store_times_out_and_recomputes_instead_of_hanging(fault_server: FaultServer, reference) -> None:
     # Every copy delayed by 3 s: longer than an onboard may take (rpc.Timeouts.onboard_wait_s: 2 s).
-    before, after, in_model, took = next_request_from_a_slowed_store(
+    before, after, in_model, took, alongside_took = next_request_from_a_slowed_store(
         fault_server, reference, history(3000, 400, seed=2), evict_from=3100, what="with a slow store,",
-        copy_delay_s=3.0)
+        alongside=history(3099, 100, seed=4), copy_delay_s=3.0)
     assert after["lookups_host_hit"] == before["lookups_host_hit"] + 1, "the slow store did not report a host hit"
+    assert after["lookups_device_hit"] == before["lookups_device_hit"] + 1, "the request alongside was no device hit"
     assert after["store_timeouts"] > before["store_timeouts"], f"no onboard timeout: {before} -> {after}"
     assert after["onboarded_pages"] == before["onboarded_pages"], "pages counted as onboarded from a timed-out get"
-    # The owner launched the copy and answered at once; hstu_compute waited for it (2 s) alone.
-    assert in_model[LOOKUP] < 0.5 < 1.5 < in_model[COMPUTE], f"seconds in each model's execute: {in_model}"
-    print(f"slow store: host hit, onboard timed out, recomputed; answered in {took:.1f}s; seconds in execute: "
-          f"{in_model}")
+    # The owner launched the copy and answered at once; hstu_compute's onboard thread waited for it
+    # (2 s), not its execute, so a device hit sent meanwhile was answered without waiting for it.
+    assert took > 1.5, f"the slowed request was answered in {took:.2f}s, before its onboard could time out"
+    assert max(in_model.values()) < 0.5, f"seconds in each model's execute: {in_model}"
+    assert alongside_took < 1.0, f"a device hit waited {alongside_took:.2f}s behind a slow onboard"
+    print(f"slow store: host hit, onboard timed out, recomputed; answered in {took:.1f}s, a device hit alongside "
+          f"in {alongside_took:.2f}s; seconds in execute: {in_model}")
     wait_drained(fault_server, timeout_s=120)  # quarantined pages return once the store's task ends
 
 
@@ -254,14 +274,14 @@ def test_a_store_that_stops_answering_never_holds_the_owner(fault_server: FaultS
     rpc.Timeouts.store_rpc_s, 0.5 s). A user whose history only the store holds is served by
     recompute, and kv_lookup_alloc's execute never waits for the store: the store is asked from
     its control thread, and hstu_compute waits for that answer (or its timeout) alone."""
-    before, after, in_model, took = next_request_from_a_slowed_store(
+    before, after, in_model, took, _ = next_request_from_a_slowed_store(
         fault_server, reference, history(3200, 400, seed=3), evict_from=3300,
         what="with a store that stopped answering,", match_delay_s=3.0)
     assert after["lookups_miss"] == before["lookups_miss"] + 1, f"expected a miss: {before} -> {after}"
     assert after["onboarded_pages"] == before["onboarded_pages"]
     # Before the store was asked from the control thread, the owner's execute waited out the
-    # store RPC timeout (0.5 s) in its lookup.
-    assert in_model[LOOKUP] < 0.25 and in_model[COMPUTE] > 0.4, f"seconds in each model's execute: {in_model}"
+    # store RPC timeout (0.5 s) in its lookup; now the request waits for it, no model's execute does.
+    assert took > 0.4 and max(in_model.values()) < 0.25, f"took {took:.2f}s; seconds in each execute: {in_model}"
     print(f"store not answering: recomputed in {took:.1f}s; seconds in execute: {in_model}")
     wait_drained(fault_server, timeout_s=120)
 

@@ -8,11 +8,16 @@ alone; a failed request's lease is aborted so its pages return at once. It answe
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
 Onboarding: kv_lookup_alloc answers a request with pages beyond its device prefix before the
-host store is even asked about them (`onboard_len` > 0). This model first computes the batch's
-other requests, then asks the owner's control plane how those onboards ended (`onboard_wait`,
-one round trip per batch): each such request then reads what was copied and computes the rest
-(pages the store did not hold, or a failed or late copy, are computed; a copy that may still be
-running moves the request to fresh pages).
+host store is even asked about them (`onboard_len` > 0). `execute` computes and answers the
+batch's other requests at once and hands these to the onboard thread (`_finish_onboards`),
+which asks the owner's control plane how their onboards ended (`onboard_wait`, one round trip
+for all it has), then computes each: it reads what was copied and computes the rest (pages the
+store did not hold, or a failed or late copy, are computed; a copy that may still be running
+moves the request to fresh pages). So a copy holds only its own request: neither the batch's
+device hits nor this instance's next batch wait for it. Every request is answered through its
+response sender, exactly once (`Pending.answer`); `execute` returns None, which the Python
+backend allows a non-decoupled model that answers that way. The compiled forward runs under one
+lock, so the two threads never run it at once.
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
@@ -23,6 +28,8 @@ It is aborted and answered with a retryable error, which the project's clients r
 """
 import logging
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +47,7 @@ from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
+from kvlifecycle.queues import STOP, drain
 
 logger = logging.getLogger("hstu_compute")
 
@@ -64,6 +72,11 @@ class TritonPythonModel:
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("onboard", "compute"),
                                  source=self.stages.stats)
+        self._compute_lock = threading.Lock()  # the compiled forward and the pool it reads
+        self._onboarding: queue.Queue = queue.Queue()  # lists of Pending, then STOP
+        self._onboard_thread = threading.Thread(target=self._finish_onboards, name="hstu-compute-onboards",
+                                                daemon=True)
+        self._onboard_thread.start()
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
             "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file
@@ -72,26 +85,36 @@ class TritonPythonModel:
                     self.namespace[:12])
 
     def execute(self, requests):
-        pool = self._attach_pool()
-        parsed = [self._parse(r) for r in requests]
-        responses = [error_response(p) if isinstance(p, str) else None for p in parsed]
-        for i, p in enumerate(parsed):
-            if isinstance(p, ComputePlan) and p.namespace_tag != self.namespace_tag:
-                self._abort(p.lease_id)
-                responses[i] = error_response(
-                    f"hstu_compute: lease {p.lease_id} was made for another model version's KV (this is version "
-                    f"{self.version}; a rollout happened while the request was in flight)", retryable=True)
-        # The requests whose pages are all in the pool first: their compute overlaps the onboards
-        # still running for the others, which are waited for after it.
-        ready = [i for i, r in enumerate(responses) if r is None and not parsed[i].onboard_len]
-        onboarding = [i for i, r in enumerate(responses) if r is None and parsed[i].onboard_len]
-        self._compute(pool, parsed, responses, ready)
-        if onboarding:
-            self._settle_onboards(parsed, responses, onboarding)
-            self._compute(pool, parsed, responses, [i for i in onboarding if responses[i] is None])
-        return responses
+        pending = [Pending(request.get_response_sender()) for request in requests]
+        handed_over = []
+        try:
+            ready, onboarding = [], []
+            for p, request in zip(pending, requests):
+                plan = self._parse(request)
+                if isinstance(plan, str):
+                    p.answer(error_response(plan))
+                elif plan.namespace_tag != self.namespace_tag:
+                    self._abort(plan.lease_id)
+                    p.answer(error_response(
+                        f"hstu_compute: lease {plan.lease_id} was made for another model version's KV (this is "
+                        f"version {self.version}; a rollout happened while the request was in flight)", retryable=True))
+                else:
+                    p.plan = plan
+                    (onboarding if plan.onboard_len else ready).append(p)
+            if onboarding:  # first: their onboard_wait overlaps the compute below
+                self._onboarding.put(onboarding)
+                handed_over = onboarding
+            self._compute(ready)
+        except Exception as e:  # a bug: whatever is unanswered fails, not the instance
+            logger.error("hstu_compute failed on a batch of %d", len(requests), exc_info=True)
+            for p in pending:
+                if p not in handed_over:
+                    p.answer(error_response(f"hstu_compute: internal error: {e}"))
+        return None  # every request is answered through its sender
 
     def finalize(self):
+        self._onboarding.put(STOP)  # what was handed over is answered first
+        self._onboard_thread.join(timeout=2 * self.onboard_wait_timeout_s)
         self.metrics.close()
         self.control.close()
         if self.pool is not None:
@@ -99,23 +122,44 @@ class TritonPythonModel:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _compute(self, pool: PagePool, parsed: list, responses: list, ready: list[int]) -> None:
-        """Score the requests `ready` (indices into `parsed`) and put their responses in place."""
+    def _compute(self, items: list["Pending"]) -> None:
+        """Score `items` (settled: no onboard in flight) and answer each."""
+        if not items:
+            return
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
-        shapes = [(parsed[i].new_tokens.numel() + parsed[i].candidates.numel(),
-                   parsed[i].cached_len + parsed[i].new_tokens.numel()) for i in ready]
-        for group in plan_sub_batches(shapes):
-            members = [ready[j] for j in group]
-            started = time.perf_counter()
-            try:
-                for i, scores in zip(members, self._score(pool, [parsed[i] for i in members])):
-                    responses[i] = self._response(scores)
+        shapes = [(p.plan.new_tokens.numel() + p.plan.candidates.numel(), p.plan.cached_len + p.plan.new_tokens.numel())
+                  for p in items]
+        with self._compute_lock:
+            pool = self._attach_pool()
+            for group in plan_sub_batches(shapes):
+                members = [items[j] for j in group]
+                started = time.perf_counter()
+                try:
+                    scores = self._score(pool, [p.plan for p in members])
+                except Exception:
+                    logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
+                    for p in members:
+                        p.answer(self._score_alone(pool, p.plan))
+                    continue
                 # each request of the sub-batch spent the whole call in compute
                 self.stages.add("compute", time.perf_counter() - started, len(members))
-            except Exception:
-                logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
-                for i in members:
-                    responses[i] = self._score_alone(pool, parsed[i])
+                for p, s in zip(members, scores):
+                    p.answer(self._response(s))
+
+    def _finish_onboards(self) -> None:
+        """The onboard thread: settle every request handed over since its last turn (one
+        `onboard_wait`), compute them, answer them; on STOP, after the last of them."""
+        while True:
+            batches, stop = drain(self._onboarding, self._onboarding.get())
+            items = [p for batch in batches for p in batch]
+            try:
+                self._compute(self._settle_onboards(items))
+            except Exception as e:  # a bug: these requests fail, the thread goes on
+                logger.error("hstu_compute: onboarding requests failed", exc_info=True)
+                for p in items:
+                    p.answer(error_response(f"hstu_compute: internal error: {e}"))
+            if stop:
+                return
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
@@ -138,28 +182,34 @@ class TritonPythonModel:
         except Exception as e:
             return f"hstu_compute: malformed request: {e}"
 
-    def _settle_onboards(self, parsed: list, responses: list, members: list[int]) -> None:
-        """Wait for the copies of `members` (host hits) to be settled by the owner, then make each
-        request read what was copied and compute the rest; a request whose lease is gone, or
-        whose outcome cannot be learnt, is answered with an error (its pages may still be written)."""
+    def _settle_onboards(self, items: list["Pending"]) -> list["Pending"]:
+        """Wait for the copies of `items` (host hits) to be settled by the owner; those left to
+        compute, each now reading what was copied and computing the rest. A request whose lease is
+        gone, or whose outcome cannot be learnt, is answered with an error (its pages may still be
+        written)."""
+        if not items:
+            return []
         started = time.perf_counter()
-        lease_ids = [parsed[i].lease_id for i in members]
+        lease_ids = [p.plan.lease_id for p in items]
         try:
             outcomes = self.control.onboard_wait(lease_ids, timeout_s=self.onboard_wait_timeout_s)
         except Exception as e:
             logger.error("hstu_compute: no onboard outcome for leases %s", lease_ids, exc_info=True)
-            for i in members:
-                self._abort(parsed[i].lease_id)
-                responses[i] = error_response(f"hstu_compute: cannot learn whether lease {parsed[i].lease_id}'s "
-                                              f"host-store copy ended ({e}); retry the request")
-            return
-        self.stages.add("onboard", time.perf_counter() - started, len(members))
-        for i, outcome in zip(members, outcomes):
-            settled = self._settled(parsed[i], outcome)
-            if settled is None:
-                responses[i] = error_response(f"hstu_compute: lease {outcome.lease_id}: {outcome.error}")
+            for p in items:
+                self._abort(p.plan.lease_id)
+                p.answer(error_response(f"hstu_compute: cannot learn whether lease {p.plan.lease_id}'s "
+                                        f"host-store copy ended ({e}); retry the request"))
+            return []
+        self.stages.add("onboard", time.perf_counter() - started, len(items))
+        settled = []
+        for p, outcome in zip(items, outcomes):
+            plan = self._settled(p.plan, outcome)
+            if plan is None:
+                p.answer(error_response(f"hstu_compute: lease {outcome.lease_id}: {outcome.error}"))
             else:
-                parsed[i] = settled
+                p.plan = plan
+                settled.append(p)
+        return settled
 
     @staticmethod
     def _settled(request: ComputePlan, outcome: OnboardOutcome) -> ComputePlan | None:
@@ -207,3 +257,24 @@ class TritonPythonModel:
                 self.pool.close()
             self.pool = PagePool.attach(handle)
         return self.pool
+
+
+class Pending:
+    """A request of a batch until it is answered: its response sender and, once parsed, its plan.
+    `answer` sends the one final response a non-decoupled model owes it; any later call is a
+    no-op, so no path can answer a request twice."""
+
+    def __init__(self, sender) -> None:
+        self.sender = sender
+        self.plan: ComputePlan | None = None
+        self.answered = False
+
+    def answer(self, response) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        try:
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # the client is gone, or the server stops: nothing left to tell
+            logger.warning("hstu_compute: a response could not be sent", exc_info=True)
+
