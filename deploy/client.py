@@ -308,7 +308,6 @@ class ScoreCheck:
 
         self.reference = load_reference(str(model_repository), device)
         self.tolerance = tolerance
-        self.device = device
         self.checked = 0
         self.failed = 0  # requests whose max abs diff exceeds the tolerance
         self.max_abs_diff = 0.0
@@ -317,13 +316,16 @@ class ScoreCheck:
         """The max abs diff over ``requests`` and their ``served`` scores (same order)."""
         worst = 0.0
         for r, scores in zip(requests, served, strict=True):
-            want = self.reference.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
-            diff = float(np.abs(np.asarray(scores) - want).max())
+            diff = max_abs_diff(scores, self.reference.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids))
             worst = max(worst, diff)
             self.failed += diff > self.tolerance
         self.checked += len(requests)
         self.max_abs_diff = max(self.max_abs_diff, worst)
         return worst
+
+    @property
+    def device(self) -> str:
+        return str(self.reference.device)
 
     def check_replay(self, trace: list[RankingRequest], result: ReplayResult) -> float:
         """``check`` over the requests of ``trace`` that ``result`` scored."""
@@ -350,8 +352,13 @@ def check_scores(trace: list[RankingRequest], result: ReplayResult, model_reposi
     for i, served in result.scores.items():
         r = trace[i]
         want = expected[i] if expected is not None else ref.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids)
-        worst = max(worst, float(np.abs(np.asarray(served) - want).max()))
+        worst = max(worst, max_abs_diff(served, want))
     return worst
+
+
+def max_abs_diff(served, want: np.ndarray) -> float:
+    """The largest absolute difference between served scores and the reference's."""
+    return float(np.abs(np.asarray(served) - want).max())
 
 
 def main(argv: list[str] | None = None) -> int:
