@@ -38,8 +38,10 @@ Pending commits: the ensemble answers a request before its commit reaches the ow
 next request can arrive while the previous one's pages are still LEASED under their keys. The
 table keeps, for each request lease, the keys of the pages it writes or onboards (``_writing``);
 ``match_prefixes`` with ``wait_s > 0`` waits (on the table's condition ``_changed``, without
-holding the lock) for the leases those chains stop at, then matches again. A lease that never commits in time
-costs that request a recompute of those pages, never a wrong page.
+holding the lock) for the leases those chains stop at, then matches again; or
+``match_prefixes_now`` names those leases and ``wait_ended`` waits for them, so that the caller
+can wait on another thread than the one serving other requests. A lease that never commits in
+time costs that request a recompute of those pages, never a wrong page.
 
 Promises: a page is handed out only after asserting nobody holds it; a page with refs > 0 is
 never evicted; a failed call changes nothing. Thread-safe: one lock around every public method;
@@ -191,15 +193,24 @@ class LeaseTable:
         (wall time) for those leases to commit or end, then match again."""
         with self._lock:
             matches = [self.pages.match(keys) for keys in key_chains]
-            if wait_s <= 0:
+            awaited = set().union(*self._writers(key_chains, matches))
+            if wait_s <= 0 or not awaited:
                 return matches
-            awaited = {self._writing[keys[len(m)]] for keys, m in zip(key_chains, matches)
-                       if len(m) < len(keys) and keys[len(m)] in self._writing}
-            if not awaited:
-                return matches
-            ended = self._changed.wait_for(lambda: awaited.isdisjoint(self._leases), timeout=wait_s)
-            self.counters["commit_waits_committed" if ended else "commit_wait_timeouts"] += 1
+            self._wait_ended(awaited, wait_s)
             return [self.pages.match(keys) for keys in key_chains]
+
+    def match_prefixes_now(self, key_chains: Sequence[Sequence[bytes]]) -> list[tuple[list[int], frozenset[int]]]:
+        """``match_prefixes`` without waiting: for each chain its committed prefix and the leases
+        writing the page it stops at (empty: none), which ``wait_ended`` can wait for."""
+        with self._lock:
+            matches = [self.pages.match(keys) for keys in key_chains]
+            return list(zip(matches, self._writers(key_chains, matches)))
+
+    def wait_ended(self, lease_ids: Iterable[int], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` (wall time, lock released) until none of ``lease_ids`` is
+        held any more (committed, aborted or expired); False on timeout."""
+        with self._lock:
+            return self._wait_ended(set(lease_ids), timeout_s)
 
     def reserve_many(self, asks: Sequence[ReserveAsk], wait_s: float = 0.0) -> list[Lease | PoolExhausted]:
         """For each ask in order, pin the committed prefix and take pages for the rest; see the
@@ -411,6 +422,18 @@ class LeaseTable:
             self.pages.check_invariants(owners, read_refs)
 
     # -- helpers (call with the lock held) ------------------------------------------------
+
+    def _writers(self, key_chains: Sequence[Sequence[bytes]], matches: Sequence[list[int]]) -> list[frozenset[int]]:
+        """For each chain, the lease writing the page its match stops at (empty: none)."""
+        return [frozenset((self._writing[keys[len(m)]],)) if len(m) < len(keys) and keys[len(m)] in self._writing
+                else frozenset() for keys, m in zip(key_chains, matches)]
+
+    def _wait_ended(self, awaited: set[int], timeout_s: float) -> bool:
+        ended = not awaited or self._changed.wait_for(lambda: awaited.isdisjoint(self._leases),
+                                                      timeout=max(0.0, timeout_s))
+        if awaited:
+            self.counters["commit_waits_committed" if ended else "commit_wait_timeouts"] += 1
+        return ended
 
     def _request_lease(self, lease_id: int) -> Lease | None:
         """A request's lease; None for an unknown id or a quarantine lease (callers never name

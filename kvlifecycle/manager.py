@@ -60,7 +60,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -113,6 +113,7 @@ class LookupResult:
     device_pages: tuple[int, ...]
     store_error: bool = False
     host_unasked: bool = False  # host_tokens are candidates: lookup_many(ask_store=False)
+    awaited: frozenset[int] = frozenset()  # leases still writing the next page: lookup_many(park=True)
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +188,8 @@ class KVCacheManager:
             raise ValueError("KVCacheManager.use_namespace: expected a non-empty model fingerprint, got ''")
         self.namespace = namespace
 
-    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True) -> list[LookupResult]:
+    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True,
+                    wait_s: float | None = None, park: bool = False) -> list[LookupResult]:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
         the host store is asked (one ``get_match`` each: its API matches one sequence) only for
         requests with at least ``min_host_pages`` full pages beyond their device prefix.
@@ -195,14 +197,26 @@ class KVCacheManager:
         ``ask_store=False`` (the serving path) asks the store nothing here: those full pages are
         candidates (``host_unasked``), ``allocate_many`` reserves them as onboard pages, and the
         onboard's launch asks the store to copy the ones it holds, in one round trip instead of
-        a match here and a get there. Such a lookup's outcome is counted then."""
+        a match here and a get there. Such a lookup's outcome is counted then.
+
+        A request whose chain stops at a page a lease is still writing (its previous request's,
+        not committed yet) waits up to ``wait_s`` (default ``commit_wait_s``) for that lease. With
+        ``park`` (a caller that waits on another thread) it does not: its result names those
+        leases (``awaited``), is not counted and asks the store nothing; look it up again
+        (``wait_s=0``) after ``wait_for_commits(result.awaited)``. Without ``commit_wait_s``
+        nothing is awaited."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
         chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
-        devices = self.leases.match_prefixes(chains, self.commit_wait_s)
+        if park and self.commit_wait_s > 0:
+            devices = self.leases.match_prefixes_now(chains)
+        else:
+            wait_s = self.commit_wait_s if wait_s is None else wait_s
+            devices = [(m, frozenset()) for m in self.leases.match_prefixes(chains, wait_s)]
         results = []
-        for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
+        for (user_id, _), request_tokens, keys, (device, awaited) in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False
-            worth_asking = self.store is not None and len(keys) - len(device) >= self.min_host_pages
+            worth_asking = (self.store is not None and not awaited
+                            and len(keys) - len(device) >= self.min_host_pages)
             unasked = worth_asking and not ask_store
             if unasked:
                 host_pages = len(keys)
@@ -218,10 +232,16 @@ class KVCacheManager:
                 device_pages=tuple(device),
                 store_error=store_error,
                 host_unasked=unasked,
+                awaited=awaited,
             ))
-        for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
+        for outcome, n in Counter(r.outcome for r in results if not (r.host_unasked or r.awaited)).items():
             self.leases.count(f"lookups_{outcome}", n)
         return results
+
+    def wait_for_commits(self, lease_ids: Iterable[int], timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (default ``commit_wait_s``) for ``lease_ids`` (a lookup's
+        ``awaited``) to commit or end; False on timeout. Counted as a commit wait."""
+        return self.leases.wait_ended(lease_ids, self.commit_wait_s if timeout_s is None else timeout_s)
 
     def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
                  ttl_s: float | None = None) -> Lease:

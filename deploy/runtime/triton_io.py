@@ -35,6 +35,27 @@ def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
 
 
+class Pending:
+    """A request until it is answered through its response sender. `answer` sends the one final
+    response a non-decoupled model owes it; any later call is a no-op, so no path can answer a
+    request twice. A model that answers this way returns None from `execute` (the Python backend
+    allows it), and so can answer some requests after `execute` returned, from another thread."""
+
+    def __init__(self, request, model: str) -> None:
+        self.sender = request.get_response_sender()
+        self.model = model
+        self.answered = False
+
+    def answer(self, response) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        try:
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # the client is gone, or the server stops: nothing left to tell
+            logger.warning("%s: a response could not be sent", self.model, exc_info=True)
+
+
 def error_response(message: str, retryable: bool = False) -> "pb_utils.InferenceResponse":
     """An error for one request. `retryable`: nothing about the request is wrong and it changed
     no state, so resending it succeeds (code UNAVAILABLE, message ending in RETRYABLE)."""

@@ -71,7 +71,7 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 # compiled call, the KV write) in hstu_compute; commit in kv_offload. hstu_monolithic times
 # lookup, allocate and onboard (launch and wait) itself. Triton's own statistics give each
 # model's queue time.
-STAGES = ("lookup", "allocate", "onboard_launch", "onboard", "compute", "commit")
+STAGES = ("commit_wait", "lookup", "allocate", "onboard_launch", "onboard", "compute", "commit")
 for _stage in STAGES:
     _SERIES[f"stage_{_stage}_s_sum"] = ("hstu_kv_stage_seconds_sum", "counter",
                                         "Seconds spent in a KV lifecycle stage, summed over requests",

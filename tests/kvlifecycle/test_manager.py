@@ -547,9 +547,45 @@ def test_lookup_recomputes_when_the_commit_does_not_come_in_time(tiny_spec, cloc
     m.check_invariants()
 
 
+def test_a_parked_lookup_names_the_lease_it_awaits_and_counts_once_looked_up_again(tiny_spec, clock):
+    """The owner's model parks such a request instead of waiting on its serving thread: the lookup
+    returns at once naming the lease, counts nothing, and the look-up after the wait counts."""
+    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
+    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
+    started = time.monotonic()
+    parked, other = m.lookup_many([(1, list(range(12))), (2, [9] * 12)], park=True)
+    assert time.monotonic() - started < 1.0
+    assert parked.awaited == {first.lease_id} and other.awaited == frozenset()
+    counted = {k: v for k, v in m.stats().items() if k.startswith("lookups_")}
+    assert (counted["lookups_miss"], counted["lookups_device_hit"]) == (2, 0), "only `other` (and the first) counted"
+    committer = threading.Timer(0.05, m.commit, args=(first.lease_id,))
+    committer.start()
+    assert m.wait_for_commits(parked.awaited)
+    committer.join()
+    again = m.lookup_many([(1, list(range(12)))], wait_s=0.0)[0]
+    assert again.outcome == "device_hit" and again.device_tokens == 8 and not again.awaited
+    assert m.stats()["lookups_device_hit"] == 1
+    assert (m.stats()["commit_waits_committed"], m.stats()["commit_wait_timeouts"]) == (1, 0)
+    m.check_invariants()
+
+
+def test_a_parked_wait_times_out_and_the_lookup_after_it_does_not_wait_again(tiny_spec, clock):
+    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
+    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
+    parked = m.lookup_many([(1, list(range(12)))], park=True)[0]
+    assert not m.wait_for_commits(parked.awaited, timeout_s=0.05)
+    started = time.monotonic()
+    assert m.lookup_many([(1, list(range(12)))], wait_s=0.0)[0].outcome == "miss"  # recomputed, never wrong
+    assert time.monotonic() - started < 1.0
+    assert m.stats()["commit_wait_timeouts"] == 1
+    m.abort(first.lease_id)
+    m.check_invariants()
+
+
 def test_no_wait_without_commit_wait_or_for_other_histories(mgr):
     first = mgr.allocate(1, list(range(8)), mgr.lookup(1, list(range(8))))
     assert mgr.lookup(1, list(range(12))).outcome == "miss"  # commit_wait_s 0 (the monolithic)
+    assert not mgr.lookup_many([(1, list(range(12)))], park=True)[0].awaited  # nothing to park for either
     waiting = KVCacheManager(mgr.spec, "ns", None, commit_wait_s=5.0)
     waiting.allocate(1, list(range(8)), waiting.lookup(1, list(range(8))))
     started = time.monotonic()

@@ -4,7 +4,10 @@
   config of their own: a small page pool (384 pages of 32 tokens, far smaller than the soak's
   working set; 3 max-length histories fill it), a 512 MB store DRAM tier plus a disk tier, and
   a test model repository (`fault_repository`) whose hstu_compute is a subclass of the real one
-  that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`). It boots in the background from the first reliability test on, while the
+  that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`) and whose
+  kv_offload commits a request with candidate `SLOW_COMMIT_CANDIDATE` `COMMIT_DELAY_S` late
+  (`fault_models/kv_offload_model.py`; the owner's commit wait is `FAULT_COMMIT_WAIT_S`, longer
+  than that). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
   process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 runs
@@ -42,14 +45,18 @@ import pytest
 from compute import HSTUConfig
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server, build_model
-from deploy.runtime.schema import COMPUTE, RankingRequest
+from deploy.runtime.schema import COMPUTE, OFFLOAD, RankingRequest
 from kvlifecycle.control import ControlClient
 from kvlifecycle.store import open_store
 from tests.conftest import LocalServer, launch_config
 from tests.helpers import ModelStats, metric, wait_for
 
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
-FAULT_MODEL = Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py"
+SLOW_COMMIT_CANDIDATE = 99_993  # nor this one
+COMMIT_DELAY_S = 1.5  # how late kv_offload commits a request with SLOW_COMMIT_CANDIDATE
+FAULT_COMMIT_WAIT_S = 3.0  # the owner waits longer than that (HSTU_COMMIT_WAIT_S; 20 ms by default)
+FAULT_MODELS = {COMPUTE: Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py",
+                OFFLOAD: Path(__file__).resolve().parent / "fault_models" / "kv_offload_model.py"}
 SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"
 REAL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 FAULT_POOL_PAGES = 384
@@ -58,26 +65,29 @@ LOOKUP = "kv_lookup_alloc"
 
 
 def fault_repository(root: Path) -> Path:
-    """A model repository of the real models (linked), except hstu_compute's `model.py`, which
-    is the test subclass that injects the fault. The weights and the AOTI package stay in the
-    real model folder (`HSTU_MODEL_DIR`)."""
+    """A model repository of the real models (linked), except the `model.py` of those in
+    `FAULT_MODELS`, which is the test subclass that injects the fault. The weights and the AOTI
+    package stay in the real model folder (`HSTU_MODEL_DIR`)."""
     repository = root / "fault_repository"
     repository.mkdir(parents=True)
     for model in REAL_REPOSITORY.iterdir():
-        if model.is_dir() and model.name != COMPUTE:
+        if model.is_dir() and model.name not in FAULT_MODELS:
             (repository / model.name).symlink_to(model)
-    version = repository / COMPUTE / "1"
-    version.mkdir(parents=True)
-    (repository / COMPUTE / "config.pbtxt").symlink_to(REAL_REPOSITORY / COMPUTE / "config.pbtxt")
-    (version / "model.py").symlink_to(FAULT_MODEL)
+    for name, fault_model in FAULT_MODELS.items():
+        version = repository / name / "1"
+        version.mkdir(parents=True)
+        (repository / name / "config.pbtxt").symlink_to(REAL_REPOSITORY / name / "config.pbtxt")
+        (version / "model.py").symlink_to(fault_model)
     return repository
 
 
 def fault_launch_config(root: Path):
     return launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk", store_dram_bytes=512 << 20,
-                         model_repository=fault_repository(root),
+                         model_repository=fault_repository(root), commit_wait_s=FAULT_COMMIT_WAIT_S,
                          extra_env={"HSTU_TEST_FAULT_CANDIDATE": str(FAULT_CANDIDATE),
-                                    "HSTU_TEST_REAL_MODEL": str(REAL_REPOSITORY / COMPUTE / "1" / "model.py")})
+                                    "HSTU_TEST_SLOW_COMMIT_CANDIDATE": str(SLOW_COMMIT_CANDIDATE),
+                                    "HSTU_TEST_COMMIT_DELAY_S": str(COMMIT_DELAY_S),
+                                    "HSTU_TEST_REAL_REPOSITORY": str(REAL_REPOSITORY)})
 
 
 class FaultServer(LocalServer):
@@ -232,7 +242,7 @@ def check_scores(reference, request: RankingRequest, served: np.ndarray, what: s
 
 
 def without_fault_candidate(request: RankingRequest) -> RankingRequest:
-    cands = [c if c != FAULT_CANDIDATE else c + 1 for c in request.candidate_ids]
+    cands = [c + 1 if c in (FAULT_CANDIDATE, SLOW_COMMIT_CANDIDATE) else c for c in request.candidate_ids]
     return RankingRequest(request.user_id, request.item_ids, request.action_ids, cands)
 
 

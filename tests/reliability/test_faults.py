@@ -34,7 +34,8 @@ from deploy.server_stats import read_model_stats
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for
-from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP, FaultServer, Load,
+from tests.reliability.conftest import (BLOCKER_EVENTS, COMMIT_DELAY_S, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP,
+                                        SLOW_COMMIT_CANDIDATE, FaultServer, Load,
                                         blocker, check_scores, could_run_alone, evict_from_device, fire_together, history,
                                         owner_stats, register_pool, send_in_order, settled_kv_metrics,
                                         store_errors, wait_drained, without_fault_candidate)
@@ -284,6 +285,50 @@ def test_a_store_that_stops_answering_never_holds_the_owner(fault_server: FaultS
     assert took > 0.4 and max(in_model.values()) < 0.25, f"took {took:.2f}s; seconds in each execute: {in_model}"
     print(f"store not answering: recomputed in {took:.1f}s; seconds in execute: {in_model}")
     wait_drained(fault_server, timeout_s=120)
+
+
+def test_a_late_commit_holds_its_users_next_request_only(fault_server: FaultServer, reference) -> None:
+    """kv_offload commits a request's pages after answering it; here it commits one request
+    COMMIT_DELAY_S late (fault_models/kv_offload_model.py). The user's next request finds those
+    pages still being written: the owner parks it until the commit lands (within its commit wait,
+    FAULT_COMMIT_WAIT_S), then serves it as a device hit, while another user's request sent
+    meanwhile is served at once. Before parking, the owner waited inside its execute, so every
+    request behind it waited too."""
+    slow = history(3400, 300, seed=7)
+    slow = RankingRequest(slow.user_id, slow.item_ids, slow.action_ids, [*slow.candidate_ids[:4], SLOW_COMMIT_CANDIDATE])
+    other = history(3401, 100, seed=7)
+
+    def grown(r: RankingRequest) -> RankingRequest:
+        return RankingRequest(r.user_id, r.item_ids + [7, 8], r.action_ids + [1, 2], without_fault_candidate(r).candidate_ids)
+
+    with RankingClient(fault_server.grpc_url, timeout_s=60) as client, \
+            RankingClient(fault_server.grpc_url, timeout_s=60) as other_client:
+        check_scores(reference, other, other_client.score(other))
+        wait_drained(fault_server)
+        before = owner_stats(fault_server)
+        triton_before = read_model_stats(fault_server.http_url)
+        check_scores(reference, slow, client.score(slow))  # answered; its commit comes COMMIT_DELAY_S later
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = time.monotonic()
+            parked = pool.submit(client.score, grown(slow))
+            time.sleep(0.2)  # the next request is parked in the owner
+            other_sent = time.monotonic()
+            check_scores(reference, grown(other), other_client.score(grown(other)), what="sent alongside,")
+            other_took = time.monotonic() - other_sent
+            check_scores(reference, grown(slow), parked.result(), what="parked for a late commit,")
+            took = time.monotonic() - sent
+        after = owner_stats(fault_server)
+        triton_after = read_model_stats(fault_server.http_url)
+    lookup_s = (triton_after[LOOKUP].stages["compute_infer"] - triton_before[LOOKUP].stages["compute_infer"]).ns / 1e9
+    assert after["commit_waits_committed"] == before["commit_waits_committed"] + 1, f"{before} -> {after}"
+    assert after["commit_wait_timeouts"] == before["commit_wait_timeouts"]
+    assert after["lookups_device_hit"] == before["lookups_device_hit"] + 2, "the parked request and the other one"
+    assert took > COMMIT_DELAY_S - 0.3, f"the next request was answered in {took:.2f}s, before the late commit"
+    assert other_took < 1.0, f"another user's request waited {other_took:.2f}s behind a late commit"
+    assert lookup_s < 0.5, f"kv_lookup_alloc spent {lookup_s:.2f}s in execute on 4 requests"
+    print(f"late commit: the user's next request waited {took:.2f}s and hit the device; another user's request "
+          f"{other_took:.2f}s; kv_lookup_alloc execute {lookup_s:.3f}s")
+    wait_drained(fault_server)
 
 
 def test_pool_pressure_from_concurrent_long_requests_waits_or_errors_clearly_never_hangs(fault_server: FaultServer,

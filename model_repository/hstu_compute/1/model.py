@@ -15,9 +15,8 @@ for all it has), then computes each: it reads what was copied and computes the r
 store did not hold, or a failed or late copy, are computed; a copy that may still be running
 moves the request to fresh pages). So a copy holds only its own request: neither the batch's
 device hits nor this instance's next batch wait for it. Every request is answered through its
-response sender, exactly once (`Pending.answer`); `execute` returns None, which the Python
-backend allows a non-decoupled model that answers that way. The compiled forward runs under one
-lock, so the two threads never run it at once.
+response sender, exactly once (`Pending.answer`, deploy/runtime/triton_io.py); `execute` returns
+None. The compiled forward runs under one lock, so the two threads never run it at once.
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
@@ -42,7 +41,7 @@ from compute.config import CONFIG_FILENAME
 from deploy.runtime import published
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
+from deploy.runtime.triton_io import Pending, error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
@@ -73,7 +72,7 @@ class TritonPythonModel:
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("onboard", "compute"),
                                  source=self.stages.stats)
         self._compute_lock = threading.Lock()  # the compiled forward and the pool it reads
-        self._onboarding: queue.Queue = queue.Queue()  # lists of Pending, then STOP
+        self._onboarding: queue.Queue = queue.Queue()  # lists of ComputeRequest, then STOP
         self._onboard_thread = threading.Thread(target=self._finish_onboards, name="hstu-compute-onboards",
                                                 daemon=True)
         self._onboard_thread.start()
@@ -85,7 +84,7 @@ class TritonPythonModel:
                     self.namespace[:12])
 
     def execute(self, requests):
-        pending = [Pending(request.get_response_sender()) for request in requests]
+        pending = [ComputeRequest(request) for request in requests]
         handed_over = []
         try:
             ready, onboarding = [], []
@@ -122,7 +121,7 @@ class TritonPythonModel:
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _compute(self, items: list["Pending"]) -> None:
+    def _compute(self, items: list["ComputeRequest"]) -> None:
         """Score `items` (settled: no onboard in flight) and answer each."""
         if not items:
             return
@@ -182,7 +181,7 @@ class TritonPythonModel:
         except Exception as e:
             return f"hstu_compute: malformed request: {e}"
 
-    def _settle_onboards(self, items: list["Pending"]) -> list["Pending"]:
+    def _settle_onboards(self, items: list["ComputeRequest"]) -> list["ComputeRequest"]:
         """Wait for the copies of `items` (host hits) to be settled by the owner; those left to
         compute, each now reading what was copied and computing the rest. A request whose lease is
         gone, or whose outcome cannot be learnt, is answered with an error (its pages may still be
@@ -259,22 +258,9 @@ class TritonPythonModel:
         return self.pool
 
 
-class Pending:
-    """A request of a batch until it is answered: its response sender and, once parsed, its plan.
-    `answer` sends the one final response a non-decoupled model owes it; any later call is a
-    no-op, so no path can answer a request twice."""
+class ComputeRequest(Pending):
+    """A request of a batch until it is answered, with its plan once parsed."""
 
-    def __init__(self, sender) -> None:
-        self.sender = sender
+    def __init__(self, request) -> None:
+        super().__init__(request, "hstu_compute")
         self.plan: ComputePlan | None = None
-        self.answered = False
-
-    def answer(self, response) -> None:
-        if self.answered:
-            return
-        self.answered = True
-        try:
-            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # the client is gone, or the server stops: nothing left to tell
-            logger.warning("hstu_compute: a response could not be sent", exc_info=True)
-

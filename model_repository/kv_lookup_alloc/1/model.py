@@ -11,12 +11,22 @@ with them as onboard pages (`onboard_len`), without asking the host store here: 
 plane's thread asks it (one round trip: copy the ones you hold) and settles each copy when the
 store reports it done, or as a timeout; pages not copied are recomputed. hstu_compute asks this
 process's control plane how that request's onboard ended before it reads them, so neither a
-store round trip nor a slow copy holds another request here. The request's namespace,
+store round trip nor a slow copy holds another request here.
+
+kv_offload commits a request's pages after answering it, so a user's next request can find
+them still being written by the previous request's lease. Such a request is parked, not
+waited for here: the commit-wait thread waits up to `HSTU_COMMIT_WAIT_S` for that lease to
+commit, then serves it (its pages are then device hits; on a timeout they are recomputed). So
+a late commit holds only its own user's next request, never the requests behind it. Every
+request is answered through its response sender, once (`Pending.answer`), and `execute`
+returns None; `_serve` runs on one thread at a time (`_serve_lock`). The request's namespace,
 page keys and token ids are fixed here, once, and travel with its lease. A bad request or an
 exhausted pool becomes an error response for that request only and changes no cache state.
 """
 import logging
 import os
+import queue
+import threading
 import time
 
 import torch
@@ -28,12 +38,14 @@ from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_kv_cache
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_request
+from deploy.runtime.triton_io import (BadRequest, Pending, RankingInputs, error_response, output_tensor,
+                                     read_ranking_request)
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.leases import Lease
 from kvlifecycle.page_table import PoolExhausted
+from kvlifecycle.queues import STOP
 
 logger = logging.getLogger("kv_lookup_alloc")
 
@@ -47,7 +59,8 @@ class TritonPythonModel:
         self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)
         # kv_offload commits after it answers: a user's next request may find its previous
-        # request's pages not committed yet, and waits for them (ServingSettings.commit_wait_s)
+        # request's pages not committed yet, and waits for them (ServingSettings.commit_wait_s) on
+        # the commit-wait thread
         self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir),
                                    commit_wait_s=self.settings.commit_wait_s)
         if self.cache.store is None:  # once per server: this is the ensemble's one cache owner
@@ -60,36 +73,34 @@ class TritonPythonModel:
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard_launch"),
+                                 OWNER_KEYS + stage_keys("commit_wait", "lookup", "allocate", "onboard_launch"),
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
+        self._serve_lock = threading.Lock()  # the manager's lookup -> allocate -> launch, one batch at a time
+        self._parked: queue.Queue = queue.Queue()  # OwnerRequests waiting for a commit, then STOP
+        self._commit_waits = threading.Thread(target=self._serve_parked, name="kv-owner-commit-waits", daemon=True)
+        self._commit_waits.start()
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
 
     def execute(self, requests):
         self._follow_compute_version()
-        responses = [None] * len(requests)
-        parsed = {}  # request index -> (inputs, history tokens)
-        for i, request in enumerate(requests):
+        batch = []
+        for request in requests:
+            reply = Pending(request, "kv_lookup_alloc")
             try:
                 r = read_ranking_request(request, self.config)
-                parsed[i] = (r, history_tokens(r.item_ids, r.action_ids, self.config, checked=True))
+                batch.append(OwnerRequest(reply, r, history_tokens(r.item_ids, r.action_ids, self.config, checked=True)))
             except BadRequest as e:
-                responses[i] = error_response(str(e))
+                reply.answer(error_response(str(e)))
             except Exception as e:  # a bug must fail this request only, not the batch
                 logger.error("kv_lookup_alloc failed to read a request", exc_info=True)
-                responses[i] = error_response(f"kv_lookup_alloc: internal error: {e}")
-        members = list(parsed)
-        try:
-            served = self._serve([parsed[i] for i in members])
-        except Exception:  # a bug: retry each request alone, so that it fails that request only
-            logger.error("kv_lookup_alloc failed on a batch of %d; serving them one by one", len(members),
-                         exc_info=True)
-            served = [self._serve_alone(parsed[i]) for i in members]
-        for i, response in zip(members, served):
-            responses[i] = response
-        return responses
+                reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
+        self._serve_batch(batch, park=True)
+        return None  # every request is answered through its sender (or by the commit-wait thread)
 
     def finalize(self):
+        self._parked.put(STOP)  # what is parked is served first
+        self._commit_waits.join()
         self.metrics.close()
         self.control.close()
         self.cache.close()
@@ -114,16 +125,46 @@ class TritonPythonModel:
                         version["namespace"][:12], self.cache.manager.namespace[:12])
             self.cache.manager.use_namespace(version["namespace"])
 
-    def _serve(self, batch: list[tuple[RankingInputs, torch.Tensor]]) -> list:
-        """A response for each (inputs, tokens): lookup, allocate and launch the onboards of the
-        whole batch."""
+    def _serve_batch(self, batch: list["OwnerRequest"], park: bool) -> None:
+        """`_serve` the batch; if it fails (a bug), each request alone, so that it fails that
+        request only."""
+        try:
+            with self._serve_lock:
+                self._serve(batch, park)
+        except Exception:
+            logger.error("kv_lookup_alloc failed on a batch of %d; serving them one by one", len(batch), exc_info=True)
+            for item in batch:
+                if item.reply.answered or (park and item.parked):  # a parked one is served on its thread
+                    continue
+                try:
+                    with self._serve_lock:
+                        self._serve([item], park)
+                except Exception as e:
+                    logger.error("kv_lookup_alloc failed on a request", exc_info=True)
+                    item.reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
+
+    def _serve(self, batch: list["OwnerRequest"], park: bool) -> None:
+        """Lookup, allocate and launch the onboards of the whole batch, and answer each request.
+        `park`: a request whose next page a lease is still writing goes to the commit-wait thread
+        instead (it looks up again there)."""
         if not batch:
-            return []
+            return
         manager = self.cache.manager
-        n = len(batch)
         started = time.perf_counter()
         # The store is not asked here: the control plane's thread asks it about each onboard started.
-        hits = manager.lookup_many([(r.user_id, tokens) for r, tokens in batch], ask_store=False)
+        # A parked request has waited already: it takes what is committed now.
+        hits = manager.lookup_many([(item.inputs.user_id, item.tokens) for item in batch], ask_store=False,
+                                   wait_s=None if park else 0.0, park=park)
+        if park and any(hit.awaited for hit in hits):
+            for item, hit in zip(batch, hits):
+                if hit.awaited:
+                    item.awaited, item.parked_at = hit.awaited, time.monotonic()
+                    self._parked.put(item)
+            batch = [item for item in batch if not item.parked]
+            hits = [hit for hit in hits if not hit.awaited]
+            if not batch:
+                return
+        n = len(batch)
         looked_up = time.perf_counter()
         leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
         allocated = time.perf_counter()
@@ -132,33 +173,53 @@ class TritonPythonModel:
             if any(isinstance(lease, Lease) and lease.onboarding for lease in leases):
                 self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
-            responses = [self._response(r, tokens, lease) for (r, tokens), lease in zip(batch, leases)]
+            responses = [self._response(item, lease) for item, lease in zip(batch, leases)]
         except Exception:
             for lease in leases:  # the caller serves them again: their pages return now, not at expiry
                 if isinstance(lease, Lease):
                     manager.abort(lease.lease_id)
             raise
+        for item, response in zip(batch, responses):
+            item.reply.answer(response)
         # Every request of the batch spent the whole of each step in it.
         self.stages.add("lookup", looked_up - started, n)
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard_launch", launched - allocated, n)
-        return responses
 
-    def _serve_alone(self, item: tuple[RankingInputs, torch.Tensor]):
-        try:
-            return self._serve([item])[0]
-        except Exception as e:
-            logger.error("kv_lookup_alloc failed on a request", exc_info=True)
-            return error_response(f"kv_lookup_alloc: internal error: {e}")
+    def _serve_parked(self) -> None:
+        """The commit-wait thread: each parked request, in order, waits for the leases it awaits
+        (at most `commit_wait_s` since it was parked), then is served."""
+        manager = self.cache.manager
+        while (item := self._parked.get()) is not STOP:
+            manager.wait_for_commits(item.awaited, item.parked_at + manager.commit_wait_s - time.monotonic())
+            self.stages.add("commit_wait", time.monotonic() - item.parked_at)
+            self._serve_batch([item], park=False)
 
-    def _response(self, r: RankingInputs, tokens: torch.Tensor, lease):
+    def _response(self, item: "OwnerRequest", lease):
         if isinstance(lease, PoolExhausted):
             return error_response(f"KV page pool exhausted, retry later: {lease}")
         if not isinstance(lease, Lease):  # LeaseGone: aborted during its onboard's launch
             return error_response(f"kv_lookup_alloc: internal error: {lease}")
+        r, tokens = item.inputs, item.tokens
         cached_len = lease.cached_len  # a refused onboard only shrank cached_len
         onboard_len = lease.num_onboard_pages * lease.page_size if lease.onboarding else 0
         plan = ComputePlan(new_tokens=tokens[cached_len - onboard_len:], cached_len=cached_len, onboard_len=onboard_len,
                            page_row=torch.as_tensor(lease.page_row, dtype=torch.int64), candidates=r.candidate_ids,
                            namespace_tag=namespace_tag(lease.namespace), lease_id=lease.lease_id)
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
+
+
+class OwnerRequest:
+    """A validated request until it is answered: its reply, inputs and history tokens; while
+    parked, the leases it waits for and when it was parked."""
+
+    def __init__(self, reply: Pending, inputs: RankingInputs, tokens: torch.Tensor) -> None:
+        self.reply = reply
+        self.inputs = inputs
+        self.tokens = tokens
+        self.awaited: frozenset[int] = frozenset()
+        self.parked_at = 0.0
+
+    @property
+    def parked(self) -> bool:
+        return bool(self.awaited)

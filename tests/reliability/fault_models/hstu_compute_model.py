@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 FAULT_CANDIDATE = int(os.environ["HSTU_TEST_FAULT_CANDIDATE"])
-REAL_MODEL = Path(os.environ["HSTU_TEST_REAL_MODEL"])
+REAL_MODEL = Path(os.environ["HSTU_TEST_REAL_REPOSITORY"]) / "hstu_compute" / "1" / "model.py"
 
 _spec = importlib.util.spec_from_file_location("hstu_compute_real_model", REAL_MODEL)
 _real = importlib.util.module_from_spec(_spec)

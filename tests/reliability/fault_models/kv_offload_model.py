@@ -1,0 +1,51 @@
+"""kv_offload with late commits, for the reliability tests (test code, never deployed).
+
+`fault_repository()` (tests/reliability/conftest.py) serves this file as `kv_offload/1/model.py`.
+It subclasses the real model, loaded from its file (the Python-backend stub does not put the
+tests on the import path), and answers as the real one does, but hands a request with
+candidate id `HSTU_TEST_SLOW_COMMIT_CANDIDATE` to the offload worker (which commits it)
+`HSTU_TEST_COMMIT_DELAY_S` seconds late: the user's next request then finds the previous one's
+pages still being written, as it does when a commit is slow under load.
+"""
+import importlib.util
+import os
+import threading
+from pathlib import Path
+
+from deploy.runtime.compute_plan import ComputePlan
+from deploy.runtime.triton_io import input_tensor
+
+SLOW_COMMIT_CANDIDATE = int(os.environ["HSTU_TEST_SLOW_COMMIT_CANDIDATE"])
+COMMIT_DELAY_S = float(os.environ["HSTU_TEST_COMMIT_DELAY_S"])
+REAL_MODEL = Path(os.environ["HSTU_TEST_REAL_REPOSITORY"]) / "kv_offload" / "1" / "model.py"
+
+_spec = importlib.util.spec_from_file_location("kv_offload_real_model", REAL_MODEL)
+_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_real)
+
+
+class TritonPythonModel(_real.TritonPythonModel):
+    def initialize(self, args):
+        super().initialize(args)
+        self._late = set()  # lease ids whose commit is held back
+        submit = self.worker.submit
+
+        def submit_late_ones_later(finished):
+            late = [f for f in finished if f[0] in self._late]
+            submit([f for f in finished if f[0] not in self._late])
+            if late:
+                timer = threading.Timer(COMMIT_DELAY_S, submit, args=(late,))
+                timer.daemon = True
+                timer.start()
+
+        self.worker.submit = submit_late_ones_later
+
+    def execute(self, requests):
+        for request in requests:
+            try:
+                plan = ComputePlan.unpack(input_tensor(request, "compute_plan"))
+            except Exception:  # the real model answers a malformed request
+                continue
+            if bool((plan.candidates == SLOW_COMMIT_CANDIDATE).any()):
+                self._late.add(plan.lease_id)
+        return super().execute(requests)
