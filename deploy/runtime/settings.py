@@ -59,10 +59,11 @@ class ServingSettings:
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
     # kv_offload commits a request's pages after it answers; a lookup that finds the next page of
     # its history still being written by a lease (the same user's previous request, its commit on
-    # the way) waits this long for that commit in kv_lookup_alloc, then recomputes those pages.
-    # 0: never wait. The wait holds the owner, so keep it short: the commit takes about 1 ms on
-    # the H200 host, but 5 ms missed a commit 1 time in 180 at 8 streams on a busy 2-core machine.
-    commit_wait_s: float = 0.02
+    # the way) waits up to this long for that commit, parked on kv_lookup_alloc's commit-wait
+    # thread, then recomputes those pages. 0: never wait. The wait holds that request only, so
+    # it can outlast a commit under load: at 20 ms, 16-31 of ~90 waits timed out at c=8 on the
+    # 2-core CPU machine and 159 of 172 at c=32 on an H100 (each a recompute); at 0.25 s none did.
+    commit_wait_s: float = 0.25
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
     # memory nodes hold every object, so stopping a server loses nothing), and the address other

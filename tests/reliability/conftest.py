@@ -54,7 +54,7 @@ from tests.helpers import ModelStats, metric, wait_for
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
 SLOW_COMMIT_CANDIDATE = 99_993  # nor this one
 COMMIT_DELAY_S = 1.5  # how late kv_offload commits a request with SLOW_COMMIT_CANDIDATE
-FAULT_COMMIT_WAIT_S = 3.0  # the owner waits longer than that (HSTU_COMMIT_WAIT_S; 20 ms by default)
+FAULT_COMMIT_WAIT_S = 3.0  # the owner waits longer than that (HSTU_COMMIT_WAIT_S; 0.25 s by default)
 FAULT_MODELS = {COMPUTE: Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py",
                 OFFLOAD: Path(__file__).resolve().parent / "fault_models" / "kv_offload_model.py"}
 SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"

@@ -8,7 +8,7 @@ the host store, and reaps finished puts. The token ids the store keys pages by a
 only for the requests with pages to put (kv_lookup_alloc validated every history already).
 Committing after the answer takes the control round trip (0.6-1.2 ms on the H200 host) off
 every request and off this model's `execute`; a user's next request, which can arrive before
-that commit lands, waits for it in the owner's lookup (`HSTU_COMMIT_WAIT_S`, 20 ms by default),
+that commit lands, waits for it in the owner (`HSTU_COMMIT_WAIT_S`, 0.25 s at most by default),
 so it still finds the pages. The model is not decoupled: the offload never ran inside
 `execute`, and a decoupled sender costs a synchronous round trip to the server per send.
 `finalize` (model unload, server stop) flushes: it commits what is queued and waits for every
