@@ -152,9 +152,9 @@ class TritonPythonModel:
         manager = self.cache.manager
         started = time.perf_counter()
         # The store is not asked here: the control plane's thread asks it about each onboard started.
-        # A parked request has waited already: it takes what is committed now.
+        # Never waits here: a request to wait for is parked, or was parked and takes what is committed now.
         hits = manager.lookup_many([(item.inputs.user_id, item.tokens) for item in batch], ask_store=False,
-                                   wait_s=None if park else 0.0, park=park)
+                                   wait_s=0.0, park=park)
         if park and any(hit.awaited for hit in hits):
             for item, hit in zip(batch, hits):
                 if hit.awaited:
