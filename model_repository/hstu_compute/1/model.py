@@ -14,9 +14,10 @@ which asks the owner's control plane how their onboards ended (`onboard_wait`, o
 for all it has), then computes each: it reads what was copied and computes the rest (pages the
 store did not hold, or a failed or late copy, are computed; a copy that may still be running
 moves the request to fresh pages). So a copy holds only its own request: neither the batch's
-device hits nor this instance's next batch wait for it. Every request is answered through its
-response sender, exactly once (`Pending.answer`, deploy/runtime/triton_io.py); `execute` returns
-None. The compiled forward runs under one lock, so the two threads never run it at once.
+device hits nor this instance's next batch wait for it. `execute` returns the answers of the
+requests it computed; a handed-over request is answered through its response sender
+(`Pending`, deploy/runtime/triton_io.py). The compiled forward runs under one lock, so the two
+threads never run it at once.
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
@@ -101,6 +102,8 @@ class TritonPythonModel:
                     p.plan = plan
                     (onboarding if plan.onboard_len else ready).append(p)
             if onboarding:  # first: their onboard_wait overlaps the compute below
+                for p in onboarding:
+                    p.hand_over()
                 self._onboarding.put(onboarding)
                 handed_over = onboarding
             self._compute(ready)
@@ -109,7 +112,7 @@ class TritonPythonModel:
             for p in pending:
                 if p not in handed_over:
                     p.answer(error_response(f"hstu_compute: internal error: {e}"))
-        return None  # every request is answered through its sender
+        return Pending.returned(pending)  # the handed-over requests are answered by the onboard thread
 
     def finalize(self):
         self._onboarding.put(STOP)  # what was handed over is answered first

@@ -17,9 +17,10 @@ kv_offload commits a request's pages after answering it, so a user's next reques
 them still being written by the previous request's lease. Such a request is parked, not
 waited for here: the commit-wait thread waits up to `HSTU_COMMIT_WAIT_S` for that lease to
 commit, then serves it (its pages are then device hits; on a timeout they are recomputed). So
-a late commit holds only its own user's next request, never the requests behind it. Every
-request is answered through its response sender, once (`Pending.answer`), and `execute`
-returns None; `_serve` runs on one thread at a time (`_serve_lock`). The request's namespace,
+a late commit holds only its own user's next request, never the requests behind it. `execute`
+returns the answers of the requests it served; a parked request is answered through its
+response sender by the commit-wait thread (`Pending`). `_serve` runs on one thread at a time
+(`_serve_lock`). The request's namespace,
 page keys and token ids are fixed here, once, and travel with its lease. A bad request or an
 exhausted pool becomes an error response for that request only and changes no cache state.
 """
@@ -84,9 +85,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self._follow_compute_version()
-        batch = []
+        replies, batch = [], []
         for request in requests:
             reply = Pending(request, "kv_lookup_alloc")
+            replies.append(reply)
             try:
                 r = read_ranking_request(request, self.config)
                 batch.append(OwnerRequest(reply, r, history_tokens(r.item_ids, r.action_ids, self.config, checked=True)))
@@ -96,7 +98,7 @@ class TritonPythonModel:
                 logger.error("kv_lookup_alloc failed to read a request", exc_info=True)
                 reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
         self._serve_batch(batch, park=True)
-        return None  # every request is answered through its sender (or by the commit-wait thread)
+        return Pending.returned(replies)  # a parked request is answered by the commit-wait thread
 
     def finalize(self):
         self._parked.put(STOP)  # what is parked is served first
@@ -159,6 +161,7 @@ class TritonPythonModel:
             for item, hit in zip(batch, hits):
                 if hit.awaited:
                     item.awaited, item.parked_at = hit.awaited, time.monotonic()
+                    item.reply.hand_over()
                     self._parked.put(item)
             batch = [item for item in batch if not item.parked]
             hits = [hit for hit in hits if not hit.awaited]
