@@ -11,13 +11,19 @@ Onboarding: kv_lookup_alloc answers a request with pages beyond its device prefi
 host store is even asked about them (`onboard_len` > 0). `execute` computes and answers the
 batch's other requests at once and hands these to the onboard thread (`_finish_onboards`),
 which asks the owner's control plane how their onboards ended (`onboard_wait`, one round trip
-for all it has), then computes each: it reads what was copied and computes the rest (pages the
-store did not hold, or a failed or late copy, are computed; a copy that may still be running
+for all it has), then has each computed: it reads what was copied and computes the rest (pages
+the store did not hold, or a failed or late copy, are computed; a copy that may still be running
 moves the request to fresh pages). So a copy holds only its own request: neither the batch's
 device hits nor this instance's next batch wait for it. `execute` returns the answers of the
 requests it computed; a handed-over request is answered through its response sender
-(`Pending`, deploy/runtime/triton_io.py). The compiled forward runs under one lock, so the two
-threads never run it at once.
+(`Pending`, deploy/runtime/triton_io.py).
+
+Every compiled forward runs on one thread, the forward thread (`_run_forwards`): `execute` hands
+it the batch's ready requests and waits for them, the onboard thread hands it the settled ones.
+One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread that starts
+a parallel region a thread team of its own, and with more team threads than cores every barrier
+sleeps instead of spinning: once the onboard thread had computed too, every call of the CPU
+package took 2.5x as long on the 2-core CPU machine.
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
@@ -72,7 +78,9 @@ class TritonPythonModel:
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("onboard", "compute"),
                                  source=self.stages.stats)
-        self._compute_lock = threading.Lock()  # the compiled forward and the pool it reads
+        self._forwards: queue.Queue = queue.Queue()  # (ComputeRequests, Event set when answered), then STOP
+        self._forward_thread = threading.Thread(target=self._run_forwards, name="hstu-compute-forwards", daemon=True)
+        self._forward_thread.start()
         self._onboarding: queue.Queue = queue.Queue()  # lists of ComputeRequest, then STOP
         self._onboard_thread = threading.Thread(target=self._finish_onboards, name="hstu-compute-onboards",
                                                 daemon=True)
@@ -106,17 +114,19 @@ class TritonPythonModel:
                     p.hand_over()
                 self._onboarding.put(onboarding)
                 handed_over = onboarding
-            self._compute(ready)
+            self._compute_on_forward_thread(ready).wait()
         except Exception as e:  # a bug: whatever is unanswered fails, not the instance
             logger.error("hstu_compute failed on a batch of %d", len(requests), exc_info=True)
             for p in pending:
                 if p not in handed_over:
                     p.answer(error_response(f"hstu_compute: internal error: {e}"))
-        return Pending.returned(pending)  # the handed-over requests are answered by the onboard thread
+        return Pending.returned(pending)  # the handed-over requests are answered once their onboard settled
 
     def finalize(self):
         self._onboarding.put(STOP)  # what was handed over is answered first
         self._onboard_thread.join(timeout=2 * self.onboard_wait_timeout_s)
+        self._forwards.put(STOP)
+        self._forward_thread.join()
         self.metrics.close()
         self.control.close()
         if self.pool is not None:
@@ -124,38 +134,59 @@ class TritonPythonModel:
 
     # ---- helpers ----------------------------------------------------------------------------
 
+    def _compute_on_forward_thread(self, items: list["ComputeRequest"]) -> threading.Event:
+        """Queue `items` (settled: no onboard in flight) for the forward thread; the event is set
+        once each is answered."""
+        answered = threading.Event()
+        if items:
+            self._forwards.put((items, answered))
+        else:
+            answered.set()
+        return answered
+
+    def _run_forwards(self) -> None:
+        """The forward thread: computes and answers each queued list of requests, in order; on
+        STOP, after the last of them."""
+        while (job := self._forwards.get()) is not STOP:
+            items, answered = job
+            try:
+                self._compute(items)
+            except Exception as e:  # a bug: these requests fail, the thread goes on
+                logger.error("hstu_compute failed on a batch of %d", len(items), exc_info=True)
+                for p in items:
+                    p.answer(error_response(f"hstu_compute: internal error: {e}"))
+            answered.set()
+
     def _compute(self, items: list["ComputeRequest"]) -> None:
-        """Score `items` (settled: no onboard in flight) and answer each."""
-        if not items:
-            return
+        """Score `items` and answer each (on the forward thread only)."""
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
         shapes = [(p.plan.new_tokens.numel() + p.plan.candidates.numel(), p.plan.cached_len + p.plan.new_tokens.numel())
                   for p in items]
-        with self._compute_lock:
-            pool = self._attach_pool()
-            for group in plan_sub_batches(shapes):
-                members = [items[j] for j in group]
-                started = time.perf_counter()
-                try:
-                    scores = self._score(pool, [p.plan for p in members])
-                except Exception:
-                    logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
-                    for p in members:
-                        p.answer(self._score_alone(pool, p.plan))
-                    continue
-                # each request of the sub-batch spent the whole call in compute
-                self.stages.add("compute", time.perf_counter() - started, len(members))
-                for p, s in zip(members, scores):
-                    p.answer(self._response(s))
+        pool = self._attach_pool()
+        for group in plan_sub_batches(shapes):
+            members = [items[j] for j in group]
+            started = time.perf_counter()
+            try:
+                scores = self._score(pool, [p.plan for p in members])
+            except Exception:
+                logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
+                for p in members:
+                    p.answer(self._score_alone(pool, p.plan))
+                continue
+            # each request of the sub-batch spent the whole call in compute
+            self.stages.add("compute", time.perf_counter() - started, len(members))
+            for p, s in zip(members, scores):
+                p.answer(self._response(s))
 
     def _finish_onboards(self) -> None:
         """The onboard thread: settle every request handed over since its last turn (one
-        `onboard_wait`), compute them, answer them; on STOP, after the last of them."""
+        `onboard_wait`) and hand them to the forward thread, which answers them; on STOP, after
+        the last of them."""
         while True:
             batches, stop = drain(self._onboarding, self._onboarding.get())
             items = [p for batch in batches for p in batch]
             try:
-                self._compute(self._settle_onboards(items))
+                self._compute_on_forward_thread(self._settle_onboards(items))
             except Exception as e:  # a bug: these requests fail, the thread goes on
                 logger.error("hstu_compute: onboarding requests failed", exc_info=True)
                 for p in items:
