@@ -20,9 +20,9 @@ commit, then serves it (its pages are then device hits; on a timeout they are re
 a late commit holds only its own user's next request, never the requests behind it. `execute`
 returns the answers of the requests it served; a parked request is answered through its
 response sender by the commit-wait thread (`Pending`). `_serve` runs on one thread at a time
-(`_serve_lock`). The request's namespace,
-page keys and token ids are fixed here, once, and travel with its lease. A bad request or an
-exhausted pool becomes an error response for that request only and changes no cache state.
+(`_serve_lock`). The request's namespace, page keys and token ids are fixed here, once, and
+travel with its lease. A bad request or an exhausted pool becomes an error response for that
+request only and changes no cache state.
 """
 import logging
 import os
