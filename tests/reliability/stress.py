@@ -8,9 +8,11 @@ It is how the Python-backend memory corruption behind `LIFECYCLE_MAX_BATCH_SIZE`
 The server serves the real models from a repository whose configs are rendered with the given
 lifecycle batch size, over the soak's pool (384 pages) and users (tests/reliability/test_soak.py),
 so host hits, evictions and offloads all run. Every 10 s it prints the requests served and
-failed; at the end one JSON line (requests, failures with examples, whether tritonserver died).
-Exit code 1 when a request failed or the server died. A request on this workload never fails
-for a reason of its own: every failure is a defect.
+failed; at the end it checks every `--check-every`-th answer against the reference scorer (a
+corrupted score is no failed request) and prints one JSON line (requests, failures with
+examples, scores checked and wrong, whether tritonserver died). Exit code 1 when a request
+failed, a score was wrong or the server died. A request on this workload never fails for a
+reason of its own: every failure is a defect.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from pathlib import Path
 
 from deploy import make_configs
 from deploy.launcher import build_model, log_tail
-from tests.conftest import LocalServer, launch_config, rendered_repository
-from tests.reliability.conftest import FAULT_POOL_PAGES, EndlessLoad, Users
+from tests.conftest import REPO_ROOT, LocalServer, launch_config, rendered_repository
+from tests.reliability.conftest import FAULT_POOL_PAGES, EndlessLoad, Users, check_scores
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=48)
     p.add_argument("--lifecycle-max-batch-size", type=int, default=make_configs.LIFECYCLE_MAX_BATCH_SIZE)
     p.add_argument("--seed", type=int, default=int(time.time()))
+    p.add_argument("--check-every", type=int, default=50, help="check every Nth answer's scores (0: none)")
     a = p.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     build_model(server.settings.model_dir, server.settings.device)
     server.start()
     started = time.monotonic()
-    load = EndlessLoad(server.grpc_url, Users(seed=a.seed), a.concurrency, keep=lambda n: False, timeout_s=60)
+    load = EndlessLoad(server.grpc_url, Users(seed=a.seed), a.concurrency, timeout_s=60,
+                       keep=lambda n: a.check_every > 0 and n % a.check_every == 0)
     try:
         while time.monotonic() < started + a.seconds and server.triton.poll() is None:
             time.sleep(10)
@@ -52,16 +56,33 @@ def main(argv: list[str] | None = None) -> int:
         load.stop()
         if not crashed:
             load.join()
+        seconds = round(time.monotonic() - started, 1)
+        wrong = _wrong_scores(load.served)
         result = {"lifecycle_max_batch_size": a.lifecycle_max_batch_size, "concurrency": a.concurrency,
-                  "seconds": round(time.monotonic() - started, 1), "requests": load.count + len(load.errors),
+                  "seconds": seconds, "requests": load.count + len(load.errors),
                   "failed": len(load.errors), "failures": [e[:300] for e in load.errors[:5]],
+                  "scores_checked": len(load.served), "scores_wrong": len(wrong), "wrong": wrong[:5],
                   "tritonserver_died": crashed}
         if crashed:
             result["log_tail"] = log_tail(server.triton_log, 30)
         print(json.dumps(result))
-        return 1 if load.errors or crashed else 0
+        return 1 if load.errors or wrong or crashed else 0
     finally:
         server.stop()
+
+
+def _wrong_scores(served: list) -> list[str]:
+    """What is wrong with each sampled answer, checked against the reference scorer."""
+    from compute import load_reference
+
+    reference = load_reference(str(REPO_ROOT / "model_repository"))
+    wrong = []
+    for answer in served:
+        try:
+            check_scores(reference, answer.request, answer.scores, what="stress sample")
+        except AssertionError as e:
+            wrong.append(str(e)[:300])
+    return wrong
 
 
 if __name__ == "__main__":
