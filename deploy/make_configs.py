@@ -53,7 +53,7 @@ def _dynamic_batching(queue_delay_us: int) -> str:
 # 5 in 363,000 requests batched, 0 in 118,000 with one request per execute, and 0 in the soak's
 # runs before these steps batched. hstu_compute batched throughout. Raise it with
 # `--lifecycle-max-batch-size` on a Triton whose Python backend is fixed. On 2026-12-05 the same
-# stress found 0 in 498,000 batched requests with that day's code (README, Tests, "Known"), cause
+# stress found 0 in 614,000 batched requests with that day's code (README, Tests, "Known"), cause
 # unknown: the default stays until a GPU run shows what batching buys.
 LIFECYCLE_MAX_BATCH_SIZE = 1
 
