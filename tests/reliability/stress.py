@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _wrong_scores(served: list) -> list[str]:
     """What is wrong with each sampled answer, checked against the reference scorer."""
+    if not served:  # --check-every 0: no reference to load
+        return []
     from compute import load_reference
 
     reference = load_reference(str(REPO_ROOT / "model_repository"))
