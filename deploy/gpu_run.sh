@@ -4,7 +4,7 @@
 # stages asked for (default: pytest compute serve), each writing its results to ${OUT:-deploy/reports}:
 #   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
 #            independent of the pool, only the new tokens' rows written)
-#   compute  the compute benchmark of each GPU config (deploy/bench_compute.py)
+#   compute  the compute benchmark of each GPU config (deploy/bench/compute.py)
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
 #            128 requests in flight (a user's requests run in order); every score checked at every
@@ -64,7 +64,7 @@ for stage in "${STAGES[@]}"; do
   fi
   if [ "$stage" = compute ]; then
     for name in $CONFIGS; do
-      python3 -m deploy.bench_compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
+      python3 -m deploy.bench.compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
     done
   fi
@@ -77,7 +77,7 @@ for stage in "${STAGES[@]}"; do
     # FlexKV's GPU<->CPU copy kernel runs on FLEXKV_TRANSFER_NUM_CTA_{H2D,D2H} thread blocks
     # (FlexKV's default 4; the store process defaults to kvlifecycle.store.flexkv.TRANSFER_CTAS).
     for ctas in ${FLEXKV_CTA_SWEEP:-4 16 32}; do
-      FLEXKV_TRANSFER_NUM_CTA_H2D=$ctas FLEXKV_TRANSFER_NUM_CTA_D2H=$ctas python3 deploy/bench_store.py --device cuda \
+      FLEXKV_TRANSFER_NUM_CTA_H2D=$ctas FLEXKV_TRANSFER_NUM_CTA_D2H=$ctas python3 -m deploy.bench.store --device cuda \
         --stores embedded flexkv --layers 3 --heads 4 --head-dim 128 --dtype bfloat16 --report-dir "$OUT/store-cta$ctas" \
         2>&1 | grep -v " INFO " | tee "$OUT/gpu-store-bench-cta$ctas.log" || status=1
     done

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from compute import HSTUConfig, PagedBatch, build, load_compiled, load_reference
-from deploy.bench_compute import Case, call_peak_bytes, make_batch, median_call_ms
-from deploy.bench_compute import new_pool as zero_pool
+from deploy.bench.compute import Case, call_peak_bytes, make_batch, median_call_ms
+from deploy.bench.compute import new_pool as zero_pool
 from paged_helpers import PageAllocator, make_user, new_pool, serve
 
 pytestmark = [

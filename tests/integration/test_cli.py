@@ -1,6 +1,6 @@
 """The command-line tools as a user runs them, with small settings: `hstu-trace`, the demo
 (`python -m deploy.demo`, its own server) and a smoke run of `hstu-bench` (its own server, one
-sweep point, one repeat), and `deploy/bench_control.py`."""
+sweep point, one repeat), and `python -m deploy.bench.control`."""
 from __future__ import annotations
 
 import json
@@ -116,7 +116,7 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_bench_control_compares_the_default_and_the_models_gil_switch_interval(tmp_path: Path) -> None:
-    done = run([sys.executable, "deploy/bench_control.py", "--requests", "50", "--report-dir", str(tmp_path)])
+    done = run([sys.executable, "-m", "deploy.bench.control", "--requests", "50", "--report-dir", str(tmp_path)])
 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = tmp_path.glob("control-*-cpu.json")

@@ -5,7 +5,7 @@ after the other, in one run. Two ways per size: one call at a time (each waited 
 latency, fixed costs included) and streaming (every call submitted, then all waited for: the
 bandwidth a loaded server gets), each against the torch copies done the same way.
 
-    .venv/bin/python deploy/bench_store.py [--device cpu|cuda] [--stores embedded flexkv]
+    .venv/bin/python -m deploy.bench.store [--device cpu|cuda] [--stores embedded flexkv]
         [--layers 8 --heads 4 --head-dim 64 --page-size 32 --dtype float32] [--repeats 20]
 
 Writes deploy/reports/store-<date>-<device>.json. On a GPU host the embedded store's DRAM tier
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from deploy.bench_report import write_dated_report
+from deploy.bench.report import write_dated_report
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.rpc import default_endpoint
@@ -34,7 +34,7 @@ from kvlifecycle.store.embedded import STORE_PROGRAM, StoreProcess, start_store_
 
 logger = logging.getLogger(__name__)
 
-REPORTS = Path(__file__).resolve().parent / "reports"
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
 PAGES_PER_CALL = (1, 8, 64, 512)
 
 

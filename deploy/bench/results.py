@@ -6,7 +6,7 @@
 - The phase results (`Sweep`, `PerfAnalyzerPoint`, `CacheRow`, `HopOverhead`, `DeviceHit`, `OffloadComparison`)
   hold these per model name (`hstu_ranking`, `hstu_monolithic`).
 
-`dataclasses.asdict` of a result is its form in the JSON report (deploy/bench_report.py).
+`dataclasses.asdict` of a result is its form in the JSON report (deploy/bench/report.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deploy.bench_perf_analyzer import PerfAnalyzerResult
+from deploy.bench.perf_analyzer import PerfAnalyzerResult
 from deploy.client import ReplayResult
 from deploy.server_stats import BatchSizeStats, HopStats, KVCacheStats, LookupStats
 

@@ -1,4 +1,4 @@
-"""hstu-bench's measurements against running servers; each phase returns its typed result (deploy/bench_results.py).
+"""hstu-bench's measurements against running servers; each phase returns its typed result (deploy/bench/results.py).
 
     bench = Bench(server_a, config, model)          # model: the served HSTUConfig and its page size
     bench.run_on_a() -> PhaseResults                # warm-up, then the configured phases, in this order:
@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from compute import HSTUConfig
-from deploy.bench_perf_analyzer import run_perf_analyzer
-from deploy.bench_results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
+from deploy.bench.perf_analyzer import run_perf_analyzer
+from deploy.bench.results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
 from deploy.client import RankingClient, ReplayResult, ScoreCheck, replay

@@ -1,7 +1,7 @@
 """Control-plane round trip against a busy cache owner, at the default GIL switch interval and at
 the one the models set (`kvlifecycle/gil.py`).
 
-    python deploy/bench_control.py [--busy 0.7] [--requests 2000] [--report-dir deploy/reports]
+    python -m deploy.bench.control [--busy 0.7] [--requests 2000] [--report-dir deploy/reports]
 
 An owner process runs the real `ControlServer` on its background thread while its main thread
 does Python work in 1 ms bursts, `--busy` of the time (kv_lookup_alloc's `execute` under load);
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deploy.bench_report import write_dated_report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from deploy.bench.report import write_dated_report  # noqa: E402
 from kvlifecycle.gil import SWITCH_INTERVAL_S  # noqa: E402
 from kvlifecycle.control import ControlClient, ControlServer  # noqa: E402
 from kvlifecycle.manager import KVCacheManager  # noqa: E402

@@ -1,4 +1,4 @@
-"""PNG plots of an `hstu-bench` report (deploy/bench_report.py), written next to its JSON.
+"""PNG plots of an `hstu-bench` report (deploy/bench/report.py), written next to its JSON.
 
     plot_all(report, out_dir, stem) -> [<stem>-throughput.png, <stem>-latency-cdf.png, <stem>-cache.png]
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.bench_report import BenchReport
+from deploy.bench.report import BenchReport
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.server_stats import LOOKUP_OUTCOMES
 

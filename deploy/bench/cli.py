@@ -4,14 +4,14 @@
     .venv/bin/hstu-bench [--repeats 5 --requests 200 --users 20] [--store embedded] [--pool-pages N]
                          [--model-config cfg.json] [--device cpu|cuda] [--no-perf-analyzer]
 
-Starts server A (`--store`, default embedded), runs the phases on it (deploy/bench_phases.py: warm-up,
+Starts server A (`--store`, default embedded), runs the phases on it (deploy/bench/phases.py: warm-up,
 sweep, perf_analyzer, cache, hop overhead, device hit), then starts server B (`--store none`) next to A
-for the offload on/off comparison, and server C (a small pool) for the host-hit-heavy load. Writes deploy/reports/<date>-<device>.json (deploy/bench_report.py), three
-PNG plots next to it (deploy/bench_plots.py), and prints a summary.
+for the offload on/off comparison, and server C (a small pool) for the host-hit-heavy load. Writes deploy/reports/<date>-<device>.json (deploy/bench/report.py), three
+PNG plots next to it (deploy/bench/plots.py), and prints a summary.
 
-The modules, one job each: bench_phases (the measurements), bench_results (their typed results),
-server_stats (Triton's statistics and the hstu_kv_* metrics around a run), bench_perf_analyzer,
-bench_report (summary, goals, formatting, JSON), bench_plots.
+The modules, one job each: phases (the measurements), results (their typed results),
+deploy.server_stats (Triton's statistics and the hstu_kv_* metrics around a run), perf_analyzer,
+report (summary, goals, formatting, JSON), plots.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Iterator
 
 from compute import default_tolerance
-from deploy.bench_phases import PHASES, Bench, BenchConfig, ServedModel
-from deploy.bench_plots import plot_all
-from deploy.bench_report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
+from deploy.bench.phases import PHASES, Bench, BenchConfig, ServedModel
+from deploy.bench.plots import plot_all
+from deploy.bench.report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
                                  format_summary, summarize, to_json)
 from deploy.client import ScoreCheck
 from deploy.launcher import LaunchConfig, Server, free_loopback_ports, new_run_dir
@@ -42,7 +42,7 @@ from deploy.serving_options import add_serving_options, serving_settings
 
 logger = logging.getLogger("hstu-bench")
 
-REPORTS = Path(__file__).resolve().parent / "reports"
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
 BENCH_OPTIONS = ("device", "store", "pool_pages", "commit_wait_s")  # the ServingSettings fields hstu-bench takes as options
 
 

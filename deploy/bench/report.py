@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.bench_phases import MODELS, BenchConfig
-from deploy.bench_results import PhaseResults
+from deploy.bench.phases import MODELS, BenchConfig
+from deploy.bench.results import PhaseResults
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, OFFLOAD
 from deploy.server_stats import LOOKUP_OUTCOMES
 

@@ -1,7 +1,7 @@
 """Benchmark of the compute model alone (no Triton): what one paged forward costs, and that it
 costs its own tokens, not the KV pool's size.
 
-    .venv/bin/python -m deploy.bench_compute [--device cpu|cuda] [--model-config JSON]
+    .venv/bin/python -m deploy.bench.compute [--device cpu|cuda] [--model-config JSON]
                                              [--pool-pages 32768] [--repeats N]
 
 Cases, each with 16 new tokens and 64 candidates per user unless said otherwise, in a pool of
@@ -35,14 +35,14 @@ import torch
 
 from compute import HSTUConfig, PagedBatch, build, load_compiled, load_eager
 from compute.runtime import Runner
-from deploy.bench_report import write_dated_report
+from deploy.bench.report import write_dated_report
 
 logger = logging.getLogger(__name__)
 
 NEW_TOKENS = 16
 CANDIDATES = 64
 POOL_SWEEP = (256, 2048, 8192, 32768)
-REPORTS = Path(__file__).resolve().parent / "reports"
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Scale-out benchmark: the same trace through `hstu-cluster` with 1 and with 2 servers.
 
-    python -m deploy.bench_scale_out --out deploy/reports/scale-out-$(date +%F).json
+    python -m deploy.bench.scale_out --out deploy/reports/scale-out-$(date +%F).json
 
 Both runs go through the same path (nginx, x-user-id routing, one gRPC stream per user, the
 Mooncake tier), so the only difference is the number of tritonservers behind the proxy. Every
@@ -61,7 +61,7 @@ def run(num_servers: int, trace_config: TraceConfig, concurrency: int, base_port
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.bench_scale_out", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m deploy.bench.scale_out", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--users", type=int, default=40)
