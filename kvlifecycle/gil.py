@@ -5,7 +5,7 @@ another thread runs Python code. kv_lookup_alloc answers the control plane (kv_o
 on every request's path) from a background thread while its `execute` runs; kv_offload's
 `execute` shares its process with the offload worker; the host store's socket thread answers
 `get_prefix` (on a host hit's path) while its copy thread hashes and copies pages. With the
-default, such a call could wait up to 5 ms for the GIL. `deploy/bench_control.py` measures it: a
+default, such a call could wait up to 5 ms for the GIL. `deploy/bench/control.py` measures it: a
 control round trip against an owner 70% busy in Python went from a mean of 1.17 to 0.31 ms and a
 p90 of 2.80 to 0.60 ms on the 2-core CPU machine (deploy/reports/control-2026-12-03-cpu.json).
 """

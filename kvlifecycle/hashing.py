@@ -20,16 +20,22 @@ Operations:
 - ``page_keys(token_ids, namespace, page_size)``: keys of every full page of a prefix.
 - ``chain_key(parent, page_tokens, namespace)``: one step of the chain.
 - ``namespace_tag(namespace)``: the namespace as one int64, for a tensor that carries a lease's
-  namespace between processes (the compute checks it against its own).
+  namespace between processes (the compute checks it against its own). Memoized.
+- ``PrefixKeys``: ``page_keys`` for a process that sees each user's history again and again
+  (the cache owner): it keeps every user's last keys, so a request hashes only the pages its
+  history added. The keys are the same bytes ``page_keys`` gives.
 Both the device page table (``kvlifecycle.manager``) and the host store key pages with these
 functions, so a key means the same page everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import struct
+import threading
+from collections import OrderedDict
 from typing import Sequence, Union
 
 import numpy as np
@@ -37,7 +43,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "TokenIds", "chain_key", "namespace_tag", "page_keys", "tokens_as_int64"]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "PrefixKeys", "TokenIds", "chain_key", "namespace_tag", "page_keys",
+           "tokens_as_int64"]
 
 KEY_BYTES = 16
 SEED = b"kvlifecycle.page-chain.v1"
@@ -51,17 +58,56 @@ def page_keys(token_ids: TokenIds, namespace: str | bytes, page_size: int) -> li
     ``KEY_BYTES`` bytes each, key ``i`` covering tokens ``[0, (i + 1) * page_size)``."""
     if page_size <= 0:
         raise ValueError(f"page_keys: expected page_size > 0, got {page_size}")
-    tokens = tokens_as_int64(token_ids)
-    ns = _namespace_bytes(namespace)
-    num_full = tokens.size // page_size
-    data = tokens[: num_full * page_size].astype("<i8", copy=False).tobytes()
-    step = page_size * 8
-    keys: list[bytes] = []
-    parent = ROOT_KEY
-    for i in range(num_full):
-        parent = _chain(parent, ns, data[i * step:(i + 1) * step])
-        keys.append(parent)
-    return keys
+    return _extend([], tokens_as_int64(token_ids), _namespace_bytes(namespace), page_size)
+
+
+class PrefixKeys:
+    """``page_keys`` that remembers each user's last history and its keys (LRU over users, at
+    most ``max_tokens`` token ids kept in all), so a user whose history grew hashes only its new
+    full pages: the pages it shares with the last request (compared token by token, a memcmp)
+    keep their keys. A rewritten history shares only the pages before its first change.
+    Thread-safe."""
+
+    def __init__(self, page_size: int, max_tokens: int = 1 << 23) -> None:
+        if page_size <= 0 or max_tokens < 0:
+            raise ValueError(f"PrefixKeys: expected page_size > 0 and max_tokens >= 0, got {page_size}, {max_tokens}")
+        self.page_size = page_size
+        self.max_tokens = max_tokens
+        self._users: OrderedDict[tuple[int, str], tuple[np.ndarray, list[bytes]]] = OrderedDict()
+        self._tokens = 0  # token ids kept in _users
+        self._lock = threading.Lock()
+
+    def keys(self, user_id: int, token_ids: TokenIds, namespace: str) -> list[bytes]:
+        """``page_keys(token_ids, namespace, page_size)``, reusing ``user_id``'s last keys."""
+        S = self.page_size
+        tokens = tokens_as_int64(token_ids)
+        full = tokens[: tokens.size // S * S]
+        slot = (int(user_id), namespace)
+        with self._lock:
+            last = self._users.get(slot)
+        shared = 0
+        if last is not None:
+            last_tokens, last_keys = last
+            n = min(last_tokens.size, full.size)
+            differ = np.flatnonzero(last_tokens[:n] != full[:n])
+            shared = (int(differ[0]) if differ.size else n) // S
+            keys = _extend(last_keys[:shared], full, _namespace_bytes(namespace), S)
+        else:
+            keys = _extend([], full, _namespace_bytes(namespace), S)
+        if full.size <= self.max_tokens:
+            self._remember(slot, full.copy(), keys)
+        return keys
+
+    def _remember(self, slot: tuple[int, str], tokens: np.ndarray, keys: list[bytes]) -> None:
+        with self._lock:
+            old = self._users.pop(slot, None)
+            if old is not None:
+                self._tokens -= old[0].size
+            self._users[slot] = (tokens, keys)
+            self._tokens += tokens.size
+            while self._tokens > self.max_tokens:
+                _, (dropped, _) = self._users.popitem(last=False)
+                self._tokens -= dropped.size
 
 
 def chain_key(parent: bytes, page_tokens: TokenIds, namespace: str | bytes) -> bytes:
@@ -86,6 +132,20 @@ def tokens_as_int64(token_ids: TokenIds) -> np.ndarray:
 # helpers
 
 
+def _extend(keys: list[bytes], tokens: np.ndarray, ns_prefixed: bytes, page_size: int) -> list[bytes]:
+    """``keys`` (the chain of the first ``len(keys)`` pages of ``tokens``) continued over every
+    further full page of ``tokens``; a new list."""
+    keys = list(keys)
+    num_full = tokens.size // page_size
+    data = tokens[len(keys) * page_size: num_full * page_size].astype("<i8", copy=False).tobytes()
+    step = page_size * 8
+    parent = keys[-1] if keys else ROOT_KEY
+    for i in range(num_full - len(keys)):
+        parent = _chain(parent, ns_prefixed, data[i * step:(i + 1) * step])
+        keys.append(parent)
+    return keys
+
+
 def _namespace_bytes(namespace: str | bytes) -> bytes:
     ns = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
     return struct.pack("<I", len(ns)) + ns
@@ -100,6 +160,7 @@ def _chain(parent: bytes, ns_prefixed: bytes, page_bytes: bytes) -> bytes:
     return h.digest()
 
 
+@functools.lru_cache(maxsize=64)
 def namespace_tag(namespace: str) -> int:
     """A non-negative int64 naming ``namespace``: 60 bits of its BLAKE2b digest (two namespaces
     share a tag with probability 2**-60)."""

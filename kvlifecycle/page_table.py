@@ -111,8 +111,10 @@ class PageTable:
         return len(self._offload_deadline)
 
     def num_pinned(self) -> int:
-        """Committed pages with refs > 0 (read by a lease or being offloaded)."""
-        return sum(1 for p in self._page_key if self._refs[p] > 0)
+        """Committed pages with refs > 0 (read by a lease or being offloaded). O(1): a committed
+        page is in the LRU exactly when its refs are 0 (``check_invariants``), so the metrics
+        snapshot never walks the pool under the table lock."""
+        return len(self._committed) - len(self._lru)
 
     def in_host(self, page: int) -> bool:
         """Whether a committed page is known to be in the host tier (then it needs no offload)."""
