@@ -31,6 +31,8 @@ __all__ = ["GRAPH_INPUT_NAMES", "PagedBatch", "Request", "plan_sub_batches"]
 GRAPH_INPUT_NAMES = ("kv_pool", "new_tokens", "new_offsets", "cached_lens", "page_table",
                      "candidates", "cand_offsets", "new_len_shape", "cand_len_shape")
 
+_ALIGN = 16  # int64 elements (128 bytes) between the starts of the packed index tensors
+
 _IntSeq = Union[Sequence[int], np.ndarray, torch.Tensor]
 Request = tuple[_IntSeq, int, _IntSeq, _IntSeq]  # (new_tokens, cached_len, page_row, candidate_ids)
 
@@ -118,33 +120,58 @@ class PagedBatch:
         return None
 
     def graph_inputs(self, kv_pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Arguments of the exported forward, in ``GRAPH_INPUT_NAMES`` order, on the pool's device."""
+        """Arguments of the exported forward, in ``GRAPH_INPUT_NAMES`` order, on the pool's device.
+        On a GPU the six index tensors travel as one packed, pinned host buffer in one
+        asynchronous copy (six pageable copies cost a synchronous round trip each)."""
         device = kv_pool.device
         max_new = int((self.new_offsets[1:] - self.new_offsets[:-1]).max())
         max_cand = int((self.cand_offsets[1:] - self.cand_offsets[:-1]).max())
+        parts = (self.new_tokens, self.new_offsets, self.cached_lens, self.page_table.reshape(-1),
+                 self.candidates, self.cand_offsets)
+        if device.type == "cpu":
+            on_device = parts
+        else:
+            # each part starts 128 bytes into the buffer past the last: compiled kernels may
+            # assume their inputs aligned
+            starts = [0]
+            for p in parts:
+                starts.append(starts[-1] + -(-p.numel() // _ALIGN) * _ALIGN)
+            packed = torch.empty(starts[-1], dtype=torch.int64, pin_memory=True)
+            for p, start in zip(parts, starts):
+                packed[start:start + p.numel()] = p
+            packed = packed.to(device, non_blocking=True)
+            on_device = [packed[start:start + p.numel()] for p, start in zip(parts, starts)]
+        new_tokens, new_offsets, cached_lens, page_table, candidates, cand_offsets = on_device
         return (
             kv_pool,
-            self.new_tokens.to(device),
-            self.new_offsets.to(device),
-            self.cached_lens.to(device),
-            self.page_table.to(device),
-            self.candidates.to(device),
-            self.cand_offsets.to(device),
+            new_tokens,
+            new_offsets,
+            cached_lens,
+            page_table.view(self.page_table.shape),
+            candidates,
+            cand_offsets,
             torch.empty(max_new, dtype=torch.int8, device=device),  # shape carrier [Mn]
             torch.empty(max_cand, dtype=torch.int8, device=device),  # shape carrier [Mc]
         )
 
 
+# What one compiled call costs before its work, in cells (one query x key product of one layer),
+# per device type. On the GPU a call is launch-bound: on an H100 (small config) one user costs
+# about 1 ms, 8 users 1.0-1.2 ms, a 2,048-token miss (4.5M cells) 1.4 ms, so 1 ms is about 10M
+# cells; on the CPU a call's fixed cost is small next to its arithmetic.
+CALL_CELLS = {"cpu": 64 * 1024, "cuda": 8 * 1024 * 1024}
+
+
 def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
-                     free_cells: int = 64 * 1024) -> list[list[int]]:
+                     call_cells: int = CALL_CELLS["cpu"]) -> list[list[int]]:
     """Split a dynamic batch into sub-batches of similar size, as lists of request indices.
 
     The paged forward pads every user to the batch's longest queries (new tokens + candidates)
     and widest keys (cached + new tokens), so one long miss batched with short hits makes each
     hit cost as much as the miss. ``shapes[i]`` is request i's ``(queries, keys)``; requests are
     taken smallest first and a sub-batch grows while its padded cost ``B * max_q * max_k`` stays
-    within ``slack`` times the sum of its members' own costs (plus ``free_cells``, below which a
-    call's fixed overhead dominates and batching is always worth it).
+    within ``slack`` times the sum of its members' own costs plus ``call_cells``, the fixed cost
+    of a call (``CALL_CELLS``): padding is cheaper than a second call up to there.
     """
     order = sorted(range(len(shapes)), key=lambda i: shapes[i][0] * shapes[i][1])
     groups: list[list[int]] = []
@@ -154,7 +181,7 @@ def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
         q, k = shapes[i]
         grown_q, grown_k = max(max_q, q), max(max_k, k)
         padded = (len(current) + 1) * grown_q * grown_k
-        if current and padded > slack * (own_cost + q * k) + free_cells:
+        if current and padded > slack * (own_cost + q * k) + call_cells:
             groups.append(current)
             current, grown_q, grown_k, own_cost = [], q, k, 0
         current.append(i)
