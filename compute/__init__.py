@@ -19,7 +19,7 @@ from compute.checkpoint import fingerprint
 from compute.config import HSTUConfig
 from compute.reference import default_tolerance, load_reference
 from compute.runtime import load_compiled, load_eager
-from compute.tokens import check_request, history_tokens
+from compute.tokens import check_request, history_tokens, history_tokens_many
 
 __all__ = [
     "HSTUConfig",
@@ -28,6 +28,7 @@ __all__ = [
     "check_request",
     "fingerprint",
     "history_tokens",
+    "history_tokens_many",
     "load_compiled",
     "load_eager",
     "default_tolerance",

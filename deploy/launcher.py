@@ -471,7 +471,7 @@ a .pth file), then `. .flexkv/env.sh` (its library path) in the shell that runs 
 """
 
 
-SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s", "commit_wait_s",
+SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s",
                  "mooncake_segment_bytes", "mooncake_local_hostname")  # the ServingSettings fields hstu-serve takes as options
 
 

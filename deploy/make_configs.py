@@ -46,16 +46,12 @@ def _dynamic_batching(queue_delay_us: int) -> str:
     return f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
 
 
-# kv_lookup_alloc and kv_offload take one request per execute by default, although their code
-# serves a batch of any size: with more, tritonserver 2.51's Python backend corrupted memory under
-# sustained load (an input read with 2**32 added at a fixed offset, and once a segfault in
-# TRITONBACKEND_RequestRelease), about once in 70,000 requests on the CPU machine at 48 streams:
-# 5 in 363,000 requests batched, 0 in 118,000 with one request per execute, and 0 in the soak's
-# runs before these steps batched. hstu_compute batched throughout. Raise it with
-# `--lifecycle-max-batch-size` on a Triton whose Python backend is fixed. On 2026-12-05 the same
-# stress found 0 in 614,000 batched requests with that day's code (README, Tests, "Known"), cause
-# unknown: the default stays until a GPU run shows what batching buys.
-LIFECYCLE_MAX_BATCH_SIZE = 1
+# kv_lookup_alloc and kv_offload batch like hstu_compute: each fixed cost of theirs (the Python
+# backend's round trip, the table lock, the commit's control round trip) is paid once per batch.
+# On tritonserver 2.51 this is safe only because no model answers through a response sender: a
+# batch whose answers mixed senders with returned responses corrupted the Python backend's shared
+# memory (docs/ARCHITECTURE.md, "Batching on tritonserver 2.51").
+LIFECYCLE_MAX_BATCH_SIZE = 64
 
 
 def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_delay_us: int = 0,
@@ -155,8 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--queue-delay-us", type=int, default=0)
     p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
-                   help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s: see "
-                        "LIFECYCLE_MAX_BATCH_SIZE in this file before raising it)")
+                   help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s)")
     p.add_argument("--offload-instances", type=int, default=1,
                    help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest "
                         "step at c=32")

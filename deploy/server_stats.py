@@ -80,7 +80,7 @@ class LookupStats:
     onboarded_pages: float
     onboarded_bytes: float
     pages_now: dict[str, float]  # the pool's pages by state at the second read
-    commit_waits: dict[str, float]  # lookups that waited for a previous request's commit, by outcome
+    uncommitted_prefix: float  # lookups whose prefix a request in flight was still writing (recomputed)
 
     @property
     def total(self) -> float:
@@ -184,7 +184,7 @@ def _model_cache_stats(before: Metrics, after: Metrics, model: str, page_bytes: 
             cached_tokens_served=delta("hstu_kv_cached_tokens_total"),
             onboarded_pages=onboarded, onboarded_bytes=onboarded * page_bytes,
             pages_now={s.labels["state"]: s.value for s in after.samples("hstu_kv_pages", model=model)},
-            commit_waits={o: delta("hstu_kv_commit_waits_total", outcome=o) for o in ("committed", "timeout")})
+            uncommitted_prefix=delta("hstu_kv_uncommitted_prefix_lookups_total"))
     if model == OFFLOAD:
         reaps = delta("hstu_kv_reap_latency_seconds_count")
         offloads = OffloadStats(

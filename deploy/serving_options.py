@@ -30,8 +30,6 @@ HELP: dict[str, str] = {
     "pool_pages": "device page pool size, in pages (per server)",
     "lease_ttl_s": "seconds before a lease not committed returns its pages",
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
-    "commit_wait_s": ("seconds a lookup waits for the same user's previous request to commit its pages "
-                      "(committed after the answer) before recomputing them; 0: never wait"),
     "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
                                "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",

@@ -4,10 +4,8 @@ A lease is one request's claim on pages: read pins (refs + 1) on the committed p
 and the LEASED pages it writes. Operations, in the order a request calls them (invariant 3 of
 docs/ARCHITECTURE.md); each takes a batch of requests under one lock acquisition:
 
-1. ``match_prefixes(key_chains, wait_s)``: for each chain, the committed pages of the longest
-   prefix of its keys (no state change). With ``wait_s``, a chain whose next page is being
-   written by a lease not committed yet first waits up to ``wait_s`` for that lease to end
-   (see "Pending commits" below).
+1. ``match_prefixes(key_chains)``: for each chain, the committed pages of the longest prefix of
+   its keys (no state change but a counter: see "Uncommitted prefixes" below).
 2. ``reserve_many(asks, wait_s) -> [Lease | PoolExhausted]``: for each request, pins the device
    prefix and takes pages for the host-hit pages and every new token (free list first, then LRU
    eviction, oldest first). A request that does not fit gets its ``PoolExhausted`` in its place
@@ -34,14 +32,13 @@ onboard pages. ``finish_onboard`` moves those pages into a quarantine lease (use
 expiring) and gives the request fresh pages; ``release_quarantine(task)`` frees them once the
 get is done. Quarantine leases are not counted as active leases or leased pages.
 
-Pending commits: the ensemble answers a request before its commit reaches the owner, so a user's
-next request can arrive while the previous one's pages are still LEASED under their keys. The
-table keeps, for each request lease, the keys of the pages it writes or onboards (``_writing``);
-``match_prefixes`` with ``wait_s > 0`` waits (on the table's condition ``_changed``, without
-holding the lock) for the leases those chains stop at, then matches again; or
-``match_prefixes_now`` names those leases and ``wait_ended`` waits for them, so that the caller
-can wait on another thread than the one serving other requests. A lease that never commits in
-time costs that request a recompute of those pages, never a wrong page.
+Uncommitted prefixes: a page is found only once committed. A user's request sent while its
+previous request is still computing (both in flight at once) finds the prefix that request is
+writing still LEASED: it is never waited for, the request computes those pages itself (the
+first commit of a key wins, the second's page is freed: ``duplicate_pages``). The table keeps,
+for each request lease, the keys of the pages it writes or onboards (``_writing``), only to
+count such lookups (``uncommitted_prefix_lookups``). Both models commit before they answer, so
+a client that waits for its answer never meets one.
 
 Promises: a page is handed out only after asserting nobody holds it; a page with refs > 0 is
 never evicted; a failed call changes nothing. Thread-safe: one lock around every public method;
@@ -74,7 +71,7 @@ COUNTERS = (  # always present in stats(), so dashboards see zeros
     "duplicate_pages", "commit_unknown_lease", "aborts", "leases_expired", "onboarded_pages",
     "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
     "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
-    "offload_done_unknown", "commit_waits_committed", "commit_wait_timeouts", "pool_waits",
+    "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits",
 )
 QUARANTINE_USER = -1  # user of a lease holding pages a timed-out store get may still write
 
@@ -187,30 +184,14 @@ class LeaseTable:
 
     # -- public API, in the order a request calls it --------------------------------------
 
-    def match_prefixes(self, key_chains: Sequence[Sequence[bytes]], wait_s: float = 0.0) -> list[list[int]]:
-        """For each chain, the committed pages of the longest prefix of its keys. With ``wait_s``
-        > 0, when a chain stops at a page some lease is writing, wait up to ``wait_s`` seconds
-        (wall time) for those leases to commit or end, then match again."""
+    def match_prefixes(self, key_chains: Sequence[Sequence[bytes]]) -> list[list[int]]:
+        """For each chain, the committed pages of the longest prefix of its keys; a chain that
+        stops at a page some lease is still writing is counted (``uncommitted_prefix_lookups``)."""
         with self._lock:
             matches = [self.pages.match(keys) for keys in key_chains]
-            awaited = set().union(*self._writers(key_chains, matches))
-            if wait_s <= 0 or not awaited:
-                return matches
-            self._wait_ended(awaited, wait_s)
-            return [self.pages.match(keys) for keys in key_chains]
-
-    def match_prefixes_now(self, key_chains: Sequence[Sequence[bytes]]) -> list[tuple[list[int], frozenset[int]]]:
-        """``match_prefixes`` without waiting: for each chain its committed prefix and the leases
-        writing the page it stops at (empty: none), which ``wait_ended`` can wait for."""
-        with self._lock:
-            matches = [self.pages.match(keys) for keys in key_chains]
-            return list(zip(matches, self._writers(key_chains, matches)))
-
-    def wait_ended(self, lease_ids: Iterable[int], timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` (wall time, lock released) until none of ``lease_ids`` is
-        held any more (committed, aborted or expired); False on timeout."""
-        with self._lock:
-            return self._wait_ended(set(lease_ids), timeout_s)
+            self.counters["uncommitted_prefix_lookups"] += sum(
+                1 for keys, m in zip(key_chains, matches) if len(m) < len(keys) and keys[len(m)] in self._writing)
+            return matches
 
     def reserve_many(self, asks: Sequence[ReserveAsk], wait_s: float = 0.0) -> list[Lease | PoolExhausted]:
         """For each ask in order, pin the committed prefix and take pages for the rest; see the
@@ -422,18 +403,6 @@ class LeaseTable:
             self.pages.check_invariants(owners, read_refs)
 
     # -- helpers (call with the lock held) ------------------------------------------------
-
-    def _writers(self, key_chains: Sequence[Sequence[bytes]], matches: Sequence[list[int]]) -> list[frozenset[int]]:
-        """For each chain, the lease writing the page its match stops at (empty: none)."""
-        return [frozenset((self._writing[keys[len(m)]],)) if len(m) < len(keys) and keys[len(m)] in self._writing
-                else frozenset() for keys, m in zip(key_chains, matches)]
-
-    def _wait_ended(self, awaited: set[int], timeout_s: float) -> bool:
-        ended = not awaited or self._changed.wait_for(lambda: awaited.isdisjoint(self._leases),
-                                                      timeout=max(0.0, timeout_s))
-        if awaited:
-            self.counters["commit_waits_committed" if ended else "commit_wait_timeouts"] += 1
-        return ended
 
     def _request_lease(self, lease_id: int) -> Lease | None:
         """A request's lease; None for an unknown id or a quarantine lease (callers never name

@@ -49,8 +49,10 @@ Host store: any object with the ``kvlifecycle.store.HostStoreClient`` methods us
 (``get_match``, ``get_prefix_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
 (device cache only, nothing offloaded).
 
-There is no per-user index: lookup hashes the request's page chain and walks the committed
-table until the first miss, which is O(pages) dictionary probes.
+Lookup takes the request's page chain from ``PrefixKeys`` (which hashes only the pages a user's
+history added since its last request) and walks the committed table until the first miss:
+O(pages) dictionary probes. The per-user memory there is a hashing shortcut, never an index of
+what is cached: a page is found only by its chain key.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from kvlifecycle.hashing import TokenIds, page_keys, tokens_as_int64
+from kvlifecycle.hashing import PrefixKeys, TokenIds, page_keys, tokens_as_int64
 from kvlifecycle.leases import Lease, LeaseTable, ReserveAsk
 from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
@@ -113,7 +115,6 @@ class LookupResult:
     device_pages: tuple[int, ...]
     store_error: bool = False
     host_unasked: bool = False  # host_tokens are candidates: lookup_many(ask_store=False)
-    awaited: frozenset[int] = frozenset()  # leases still writing the next page: lookup_many(park=True)
 
     @property
     def num_tokens(self) -> int:
@@ -137,18 +138,15 @@ class KVCacheManager:
     the slowest compute). ``offload_ttl_s``: likewise for offload pins. ``store_timeout_s``:
     how long ``onboard`` waits for the host store before recomputing instead.
     ``min_host_pages``: the host store is asked only when at least this many full pages follow
-    the device prefix (``MIN_HOST_PAGES``). ``commit_wait_s``: how long a lookup waits for a lease
-    still writing the next page of its chain (a previous request answered before its commit
-    reached this table, as the ensemble does); 0: never wait (a caller that commits before it
-    answers, like hstu_monolithic). ``pool_wait_s``: how long a request the pool cannot hold now
+    the device prefix (``MIN_HOST_PAGES``). ``pool_wait_s``: how long a request the pool cannot hold now
     waits for pages other requests or offloads in flight still hold, before ``PoolExhausted``
     (0: fail at once)."""
 
     def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
                  *, offload: bool | None = None, lease_ttl_s: float = 30.0,
                  offload_ttl_s: float = 120.0, store_timeout_s: float = 2.0,
-                 min_host_pages: int = MIN_HOST_PAGES, commit_wait_s: float = 0.0,
-                 pool_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_host_pages: int = MIN_HOST_PAGES, pool_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not namespace:
             raise ValueError("KVCacheManager.namespace: expected a non-empty model fingerprint, got ''")
         self.spec = pool_spec
@@ -158,9 +156,9 @@ class KVCacheManager:
         self.lease_ttl_s = lease_ttl_s
         self.store_timeout_s = store_timeout_s
         self.min_host_pages = min_host_pages
-        self.commit_wait_s = commit_wait_s
         self.pool_wait_s = pool_wait_s
         self.clock = clock
+        self.keys = PrefixKeys(pool_spec.page_size)  # a request hashes only the pages its history added
         self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
                                  offload_ttl_s=offload_ttl_s, clock=clock)
         # Onboards started by onboard_start_many and not settled yet: lease id -> (store task,
@@ -188,8 +186,7 @@ class KVCacheManager:
             raise ValueError("KVCacheManager.use_namespace: expected a non-empty model fingerprint, got ''")
         self.namespace = namespace
 
-    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True,
-                    wait_s: float | None = None, park: bool = False) -> list[LookupResult]:
+    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True) -> list[LookupResult]:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
         the host store is asked (one ``get_match`` each: its API matches one sequence) only for
         requests with at least ``min_host_pages`` full pages beyond their device prefix.
@@ -199,24 +196,15 @@ class KVCacheManager:
         onboard's launch asks the store to copy the ones it holds, in one round trip instead of
         a match here and a get there. Such a lookup's outcome is counted then.
 
-        A request whose chain stops at a page a lease is still writing (its previous request's,
-        not committed yet) waits up to ``wait_s`` (default ``commit_wait_s``) for that lease. With
-        ``park`` (a caller that waits on another thread) it does not: its result names those
-        leases (``awaited``), is not counted and asks the store nothing; look it up again
-        (``wait_s=0``) after ``wait_for_commits(result.awaited)``. Without ``commit_wait_s``
-        nothing is awaited."""
+        Never waits: pages another request is still writing are not found (see
+        ``kvlifecycle.leases``, "Uncommitted prefixes")."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
-        chains = [tuple(page_keys(t, self.namespace, self.page_size)) for t in tokens]
-        if park and self.commit_wait_s > 0:
-            devices = self.leases.match_prefixes_now(chains)
-        else:
-            wait_s = self.commit_wait_s if wait_s is None else wait_s
-            devices = [(m, frozenset()) for m in self.leases.match_prefixes(chains, wait_s)]
+        chains = [tuple(self.keys.keys(user_id, t, self.namespace)) for (user_id, _), t in zip(requests, tokens)]
+        devices = self.leases.match_prefixes(chains)
         results = []
-        for (user_id, _), request_tokens, keys, (device, awaited) in zip(requests, tokens, chains, devices):
+        for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             host_pages, store_error = 0, False
-            worth_asking = (self.store is not None and not awaited
-                            and len(keys) - len(device) >= self.min_host_pages)
+            worth_asking = self.store is not None and len(keys) - len(device) >= self.min_host_pages
             unasked = worth_asking and not ask_store
             if unasked:
                 host_pages = len(keys)
@@ -232,16 +220,10 @@ class KVCacheManager:
                 device_pages=tuple(device),
                 store_error=store_error,
                 host_unasked=unasked,
-                awaited=awaited,
             ))
-        for outcome, n in Counter(r.outcome for r in results if not (r.host_unasked or r.awaited)).items():
+        for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
             self.leases.count(f"lookups_{outcome}", n)
         return results
-
-    def wait_for_commits(self, lease_ids: Iterable[int], timeout_s: float | None = None) -> bool:
-        """Wait up to ``timeout_s`` (default ``commit_wait_s``) for ``lease_ids`` (a lookup's
-        ``awaited``) to commit or end; False on timeout. Counted as a commit wait."""
-        return self.leases.wait_ended(lease_ids, self.commit_wait_s if timeout_s is None else timeout_s)
 
     def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
                  ttl_s: float | None = None) -> Lease:

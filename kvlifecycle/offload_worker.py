@@ -1,28 +1,28 @@
 """Offloading committed pages to the host store: ``Offloader`` (put -> reap, driven by its
-caller) and ``OffloadWorker`` (an ``Offloader`` on one background thread).
+caller) and ``OffloadWorker`` (commits for its caller, puts and reaps on one background thread).
 
 ``Offloader`` is used directly by a process that owns the page table (hstu_monolithic, the
 torch ops: ``done`` is ``KVCacheManager.offload_done``). ``OffloadWorker`` is used by a process
-that does not own the page table (kv_offload), after it has answered the requests. Call order:
+that does not own the page table (kv_offload). Call order, per batch of computed requests:
 
     worker = OffloadWorker(control, store, ...)   # control: ControlClient to the owner
     worker.start()
-    worker.submit([(lease_id, history), ...])     # per batch of answered requests; returns at once
+    committed = worker.commit(lease_ids)          # one control round trip for the batch
+    ... answer the requests ...
+    worker.submit([(namespace, history, items), ...])   # the pages to put; returns at once
     ...
-    left = worker.stop(flush_timeout_s)           # commit and put what is queued, wait for every put
+    left = worker.stop(flush_timeout_s)           # put what is queued, wait for every put
 
-A commit thread takes every batch queued since its last turn and commits their leases with the
-owner in one control round trip (``control.commit_many``: the pages become visible, those not in
-the host tier are pinned for offload). A put thread then turns each lease's ``history`` into its
-token ids (``tokens_of``: only for leases with pages to put, and off the request's path) and
-submits one ``put_async`` for its pages (``Offloader.launch``), and between turns reaps finished puts
-(``Offloader.reap``), which reports each put to the owner (``control.offload_done``) so the
-pages are unpinned. A put waits up to the store's RPC timeout when the store is slow or down;
-on its own thread it never holds up a commit. The owner's lookups
-wait briefly for a lease still being committed (``LeaseTable.match_prefixes``), so a user's next
-request still finds the pages. Store or control trouble never blocks ``submit``: a failed commit
-leaves the leases to expire on the owner, a failed put is reported ``ok=False`` (the pages stay
-cached on the device, only the host copy is missing).
+The commit is on the request's path, once per batch: after it the pages are visible, so the
+user's next request, sent once this answer arrived, finds them (the owner never waits for a
+commit). The puts are not: the worker thread turns each request's ``history`` into its token
+ids (``tokens_of``, off the request's path), submits one ``put_async`` for its pages
+(``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``), reporting
+each to the owner (``control.offload_done``) so the pages are unpinned. A put waits up to the
+store's RPC timeout when the store is slow or down; it never holds up a request. A failed
+commit leaves the leases to expire on the owner (the answer stands: the scores are right); a
+failed put is reported ``ok=False`` (the pages stay cached on the device, only the host copy is
+missing).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
-from kvlifecycle.page_table import OffloadItem
+from kvlifecycle.page_table import Committed, OffloadItem
 from kvlifecycle.pool import slots_for_pages
 from kvlifecycle.queues import STOP, drain
 from kvlifecycle.store.api import Status
@@ -152,45 +152,53 @@ class Offloader:
 class OffloadWorker:
     """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
     registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
-    each commit round trip's time and size; ``tokens_of(history)`` gives a submitted request's
-    token ids (default: ``history`` is them). Two threads: one commits, one puts and reaps, so a
-    slow or dead host store (a put waits up to its RPC timeout) never delays a commit, which the
-    owner's lookups and its free pages wait for."""
+    each commit round trip's time and size; ``tokens_of(history)`` gives a request's token ids
+    (default: ``history`` is them)."""
 
     def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
                  before_put: Callable[[], None] = lambda: None,
                  on_commit: Callable[[float, int], None] = lambda seconds, leases: None,
                  tokens_of: Callable[[object], TokenIds] = lambda history: history) -> None:
-        self.control = control  # ControlClient: thread-safe, used by both threads
+        self.control = control  # ControlClient: thread-safe, used by the caller and the thread
         self.store = store
         self.page_bytes = page_bytes
         self.reap_interval_s = reap_interval_s
         self.before_put = before_put
         self.on_commit = on_commit
         self.tokens_of = tokens_of
-        self._answered: queue.Queue = queue.Queue()  # batches of (lease id, history), then STOP
         self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, history, items), then STOP
-        self._commit_thread = threading.Thread(target=self._commit_loop, name="offload-commit", daemon=True)
         self._put_thread = threading.Thread(target=self._put_loop, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
         self.offloader = (Offloader(store, page_size, self._done) if store is not None else None)
 
     def start(self) -> None:
-        self._commit_thread.start()
         self._put_thread.start()
 
-    def submit(self, finished: Sequence[tuple[int, object]]) -> None:
-        """Queue answered requests, ``(lease id, history)`` each, to commit and offload; never
-        blocks. ``history`` is what ``tokens_of`` takes (it must not share memory with a request
-        that ends when ``execute`` returns)."""
-        if finished:
-            self._answered.put(list(finished))
+    def commit(self, lease_ids: Sequence[int]) -> list[Committed]:
+        """Commit ``lease_ids`` with the owner in one round trip; per lease its ``Committed``
+        (no items for an unknown lease, or for every lease when the round trip failed)."""
+        if not lease_ids:
+            return []
+        started = time.perf_counter()
+        try:
+            committed = self.control.commit_many(lease_ids)
+        except Exception:
+            logger.warning("commit of leases %s failed; their pages return on expiry", list(lease_ids), exc_info=True)
+            return [Committed(lease_id, "", ()) for lease_id in lease_ids]
+        self.on_commit(time.perf_counter() - started, len(lease_ids))
+        return committed
+
+    def submit(self, puts: Sequence[tuple[str, object, Sequence[OffloadItem]]]) -> None:
+        """Queue committed pages to put, ``(namespace, history, items)`` each; never blocks.
+        ``history`` is what ``tokens_of`` takes (it must not share memory with a request that
+        ends when ``execute`` returns)."""
+        if puts:
+            self._to_put.put(list(puts))
 
     def stop(self, flush_timeout_s: float) -> int:
-        """Commit and put everything queued, wait up to `flush_timeout_s` for every put; returns
-        the number of puts still pending (0 when everything reached the host store)."""
-        self._answered.put(STOP)
-        self._commit_thread.join()  # it forwards STOP to the put thread after its last commit
+        """Put everything queued, wait up to `flush_timeout_s` for every put; returns the number
+        of puts still pending (0 when everything reached the host store)."""
+        self._to_put.put(STOP)
         self._put_thread.join()
         left = 0
         if self.offloader is not None:
@@ -200,8 +208,7 @@ class OffloadWorker:
 
     def stats(self) -> dict[str, float]:
         stats = dict(self._stats)
-        stats["offload_queue_depth"] = (self._answered.qsize() + self._to_put.qsize()
-                                        + (self.offloader.pending if self.offloader else 0))
+        stats["offload_queue_depth"] = self._to_put.qsize() + (self.offloader.pending if self.offloader else 0)
         if self.offloader is not None:
             stats.update(self.offloader.counters)
         if self.store is not None:
@@ -209,29 +216,6 @@ class OffloadWorker:
         return stats
 
     # ---- helpers ----------------------------------------------------------------------------
-
-    def _commit_loop(self) -> None:
-        while True:
-            batches, stop = drain(self._answered, self._answered.get())  # one commit round trip for all
-            finished = [request for batch in batches for request in batch]
-            if finished:
-                self._commit(finished)
-            if stop:
-                self._to_put.put(STOP)
-                return
-
-    def _commit(self, finished: list[tuple[int, object]]) -> None:
-        started = time.perf_counter()
-        try:
-            committed = self.control.commit_many([lease_id for lease_id, _ in finished])
-        except Exception:
-            logger.warning("commit of leases %s failed; their pages return on expiry",
-                           [lease_id for lease_id, _ in finished], exc_info=True)
-            return
-        self.on_commit(time.perf_counter() - started, len(finished))
-        puts = [(c.namespace, history, c.items) for (_, history), c in zip(finished, committed) if c.items]
-        if puts:
-            self._to_put.put(puts)
 
     def _put_loop(self) -> None:
         while True:
@@ -270,4 +254,3 @@ class OffloadWorker:
 
     def _pending(self) -> bool:
         return self.offloader is not None and self.offloader.pending > 0
-

@@ -235,9 +235,8 @@ def format_summary(report: BenchReport) -> str:
         parts = []
         if st.lookups is not None:
             rates = " ".join(f"{o} {st.lookups.rate(o):.0%}" for o in LOOKUP_OUTCOMES)
-            waits = " ".join(f"{o} {n:.0f}" for o, n in st.lookups.commit_waits.items())
             parts.append(f"lookups {rates}; onboarded {st.lookups.onboarded_bytes / 2**20:.1f} MiB; "
-                         f"commit waits {waits}")
+                         f"prefixes still being written {st.lookups.uncommitted_prefix:.0f}")
         if st.offloads is not None:
             parts.append(f"offloaded {st.offloads.offloaded_bytes / 2**20:.1f} MiB")
         if st.store_errors is not None:

@@ -62,13 +62,12 @@ def open_store_client(settings: ServingSettings, page_size: int,
                       rpc_timeout_s=settings.store_timeout_s)
 
 
-def open_kv_cache(config, settings: ServingSettings, namespace: str, commit_wait_s: float = 0.0) -> OwnedKVCache:
-    """The owner's pool, store client and manager. ``commit_wait_s``: see ``KVCacheManager``
-    (the ensemble's owner waits, since kv_offload commits after it answers). A request the pool
-    cannot hold waits up to ``pool_wait_s`` for pages still pinned by the previous requests'
-    offloads: a put to a dead store holds its pages for one store RPC timeout before it fails and
-    is reaped, so twice that (at least 1 s) lets a long request follow another one on a pool
-    the first one filled, instead of failing it."""
+def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
+    """The owner's pool, store client and manager. A request the pool cannot hold waits up to
+    ``pool_wait_s`` for pages still pinned by the previous requests' offloads: a put to a dead
+    store holds its pages for one store RPC timeout before it fails and is reaped, so twice that
+    (at least 1 s) lets a long request follow another one on a pool the first one filled,
+    instead of failing it."""
     pool = PagePool.create(pool_spec(config, settings))
     handle = pool.handle()
     store = open_store_client(settings, pool.spec.page_size, owned_pool=pool)
@@ -76,6 +75,6 @@ def open_kv_cache(config, settings: ServingSettings, namespace: str, commit_wait
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
                        settings.store_socket)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
-                             store_timeout_s=settings.timeouts.onboard_wait_s, commit_wait_s=commit_wait_s,
+                             store_timeout_s=settings.timeouts.onboard_wait_s,
                              pool_wait_s=max(1.0, 2 * settings.store_timeout_s))
     return OwnedKVCache(pool, handle, manager, store)

@@ -57,13 +57,6 @@ class ServingSettings:
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
-    # kv_offload commits a request's pages after it answers; a lookup that finds the next page of
-    # its history still being written by a lease (the same user's previous request, its commit on
-    # the way) waits up to this long for that commit, parked on kv_lookup_alloc's commit-wait
-    # thread, then recomputes those pages. 0: never wait. The wait holds that request only, so
-    # it can outlast a commit under load: at 20 ms, 16-31 of ~90 waits timed out at c=8 on the
-    # 2-core CPU machine and 159 of 172 at c=32 on an H100 (each a recompute); at 0.25 s none did.
-    commit_wait_s: float = 0.25
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
     # memory nodes hold every object, so stopping a server loses nothing), and the address other
@@ -83,8 +76,6 @@ class ServingSettings:
         for name in ("lease_ttl_s", "store_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HSTU_{name.upper()}={getattr(self, name)}: expected > 0 seconds")
-        if self.commit_wait_s < 0:
-            raise ValueError(f"HSTU_COMMIT_WAIT_S={self.commit_wait_s}: expected >= 0 seconds (0: never wait)")
         if self.store in ("embedded", "flexkv") and not self.store_endpoint:
             self.store_endpoint = f"ipc://{self.run_dir / 'store.sock'}"
         if self.store == "flexkv" and self.device != "cuda":

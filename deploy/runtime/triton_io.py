@@ -31,56 +31,17 @@ def input_tensor(request, name: str) -> torch.Tensor:
     return torch.from_dlpack(tensor.to_dlpack()).clone()
 
 
+def input_view(request, name: str) -> torch.Tensor:
+    """A zero-copy view of the input, valid only while `execute` runs: for reading a few values
+    at once (kv_offload reads one value of a whole plan), never to keep."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise BadRequest(f"missing input '{name}'")
+    return torch.from_dlpack(tensor.to_dlpack())
+
+
 def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
-
-
-class Pending:
-    """A request of an `execute` until it is answered, exactly once (a later `answer` is a no-op).
-
-    Answered on `execute`'s thread, its response is kept and `execute` returns it
-    (`Pending.returned`): the stub hands the batch's responses to the server with the message
-    that ends `execute`. A request another thread will answer is `hand_over()`-ed first, on
-    `execute`'s thread: its answer then goes through its response sender, a synchronous round
-    trip to the server per send (in kv_lookup_alloc, sending every answer that way took 43% of
-    `execute`), and `execute` returns None in its place (the Python backend allows both in one
-    batch)."""
-
-    def __init__(self, request, model: str) -> None:
-        self.request = request
-        self.model = model
-        self.answered = False
-        self.response = None  # kept for execute's return value
-        self._sender = None  # set by hand_over
-
-    def hand_over(self) -> None:
-        """From now on `answer` sends, from any thread; call it before another thread may answer."""
-        self._sender = self.request.get_response_sender()
-
-    def answer(self, response) -> None:
-        if self.answered:
-            return
-        self.answered = True
-        if self._sender is None:
-            self.response = response
-            return
-        try:
-            self._sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # the client is gone, or the server stops: nothing left to tell
-            logger.warning("%s: a response could not be sent", self.model, exc_info=True)
-
-    @staticmethod
-    def returned(pending: list["Pending"]) -> list:
-        """What `execute` returns for `pending`, in request order: each response, None for a
-        request handed over. One neither answered nor handed over (a bug) gets an error, so that
-        no request is left without an answer."""
-        out = []
-        for p in pending:
-            if p._sender is None and not p.answered:
-                logger.error("%s: a request was neither answered nor handed over", p.model)
-                p.answer(error_response(f"{p.model}: internal error: the request was not answered"))
-            out.append(None if p._sender is not None else p.response)
-        return out
 
 
 def error_response(message: str, retryable: bool = False) -> "pb_utils.InferenceResponse":
@@ -105,15 +66,53 @@ class RankingInputs:
 
 def read_ranking_request(request, config) -> RankingInputs:
     """Parse and validate the ensemble's public inputs; raise BadRequest naming the field."""
-    from compute.tokens import check_request  # the one place that knows the id ranges
+    result = read_ranking_batch([request], config)[0]
+    if isinstance(result, BadRequest):
+        raise result
+    return result
 
-    user = input_tensor(request, "user_id").reshape(-1)
-    if user.numel() != 1:
-        raise BadRequest(f"user_id: expected shape [1], got {list(user.shape)}")
-    items = input_tensor(request, "item_ids").reshape(-1)
-    actions = input_tensor(request, "action_ids").reshape(-1)
-    candidates = input_tensor(request, "candidate_ids").reshape(-1)
-    problem = check_request(items, actions, candidates, config)
-    if problem:
-        raise BadRequest(problem)
-    return RankingInputs(int(user.item()), items, actions, candidates)
+
+def read_ranking_batch(requests: list, config) -> list["RankingInputs | BadRequest"]:
+    """`read_ranking_request` of each request, with the id ranges of the whole batch checked in
+    one pass (one min/max per field over the batch's ids); a request's exact message is looked
+    for only when that pass finds a bad id. Per request: its inputs, or the BadRequest naming
+    the field to fix."""
+    from compute.tokens import check_request  # the one place that knows the rules
+
+    out: list[RankingInputs | BadRequest] = []
+    for request in requests:
+        try:
+            user = input_tensor(request, "user_id").reshape(-1)
+            if user.numel() != 1:
+                raise BadRequest(f"user_id: expected shape [1], got {list(user.shape)}")
+            items, actions, candidates = (input_tensor(request, name).reshape(-1)
+                                          for name in ("item_ids", "action_ids", "candidate_ids"))
+            r = RankingInputs(int(user.item()), items, actions, candidates)
+            n, c = items.numel(), candidates.numel()
+            # every rule but the id ranges: cheap per request
+            if (actions.numel() != n or n > config.max_history_events or not 1 <= c <= config.max_candidates
+                    or any(t.dtype != torch.int64 for t in (items, actions, candidates))):
+                raise BadRequest(check_request(items, actions, candidates, config))
+            out.append(r)
+        except BadRequest as e:
+            out.append(e)
+    good = [r for r in out if isinstance(r, RankingInputs)]
+    if good and not _ids_in_range(good, config):
+        out = [r if not isinstance(r, RankingInputs) else _checked(r, check_request, config) for r in out]
+    return out
+
+
+def _ids_in_range(batch: list[RankingInputs], config) -> bool:
+    for field, low, high in (("item_ids", 1, config.item_vocab), ("action_ids", 0, config.action_vocab),
+                             ("candidate_ids", 1, config.item_vocab)):
+        ids = torch.cat([getattr(r, field) for r in batch])
+        if ids.numel():
+            smallest, largest = torch.aminmax(ids)
+            if int(smallest) < low or int(largest) >= high:
+                return False
+    return True
+
+
+def _checked(r: RankingInputs, check_request, config) -> "RankingInputs | BadRequest":
+    problem = check_request(r.item_ids, r.action_ids, r.candidate_ids, config)
+    return r if problem is None else BadRequest(problem)

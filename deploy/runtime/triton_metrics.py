@@ -19,9 +19,9 @@ Series (stats key -> metric{labels}):
   offloaded_pages / offloaded_bytes -> hstu_kv_offloaded_{pages,bytes}_total
   reap_latency_s_sum / reaps -> hstu_kv_reap_latency_seconds_{sum,count}
   store_errors         -> hstu_kv_store_errors_total       failed or timed-out store calls
-  commit_waits_committed / commit_wait_timeouts -> hstu_kv_commit_waits_total{outcome=committed|timeout}
-                       lookups that waited for the previous request's commit (kv_offload commits
-                       after it answers); a timeout recomputes those pages
+  uncommitted_prefix_lookups -> hstu_kv_uncommitted_prefix_lookups_total
+                       lookups that found their prefix still being written by a request in flight
+                       (the same user's previous request) and computed those pages themselves
   pool_waits / pool_exhausted -> hstu_kv_pool_waits_total / hstu_kv_pool_exhausted_total
                        reservations that waited for pages held by other requests or by offloads
                        in flight; requests refused for want of pages (a retryable error)
@@ -57,10 +57,8 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "reap_latency_s_sum": ("hstu_kv_reap_latency_seconds_sum", "counter", "Seconds from put to reap, summed", {}),
     "reaps": ("hstu_kv_reap_latency_seconds_count", "counter", "Offload tasks reaped", {}),
     "store_errors": ("hstu_kv_store_errors_total", "counter", "Failed or timed-out host store calls", {}),
-    "commit_waits_committed": ("hstu_kv_commit_waits_total", "counter",
-                               "Lookups that waited for a previous request's commit, by outcome", {"outcome": "committed"}),
-    "commit_wait_timeouts": ("hstu_kv_commit_waits_total", "counter",
-                             "Lookups that waited for a previous request's commit, by outcome", {"outcome": "timeout"}),
+    "uncommitted_prefix_lookups": ("hstu_kv_uncommitted_prefix_lookups_total", "counter",
+                                   "Lookups whose prefix a request in flight was still writing (recomputed)", {}),
     "pool_waits": ("hstu_kv_pool_waits_total", "counter",
                    "Reservations that waited for pages held by other requests or offloads in flight", {}),
     "pool_exhausted": ("hstu_kv_pool_exhausted_total", "counter", "Requests refused for want of device pages", {}),
@@ -71,7 +69,7 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 # compiled call, the KV write) in hstu_compute; commit in kv_offload. hstu_monolithic times
 # lookup, allocate and onboard (launch and wait) itself. Triton's own statistics give each
 # model's queue time.
-STAGES = ("commit_wait", "lookup", "allocate", "onboard_launch", "onboard", "compute", "commit")
+STAGES = ("lookup", "allocate", "onboard_launch", "onboard", "compute", "commit")
 for _stage in STAGES:
     _SERIES[f"stage_{_stage}_s_sum"] = ("hstu_kv_stage_seconds_sum", "counter",
                                         "Seconds spent in a KV lifecycle stage, summed over requests",
@@ -85,8 +83,8 @@ def stage_keys(*stages: str) -> list[str]:
 
 
 OWNER_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
-              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors", "commit_waits_committed",
-              "commit_wait_timeouts", "pool_waits", "pool_exhausted"]
+              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors",
+              "uncommitted_prefix_lookups", "pool_waits", "pool_exhausted"]
 OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
                 "store_errors"]
 METRICS_INTERVAL_S = 1.0

@@ -10,10 +10,9 @@ from deploy.server_stats import Duration, ModelStats, hop_stats, kv_cache_stats
 
 
 def scrape_text(lookups: dict[str, int], onboarded: int, offloaded_pages: int, reaps: int, reap_s: float,
-                lookup_stage_n: int, lookup_stage_s: float, commit_waits: tuple[int, int] = (0, 0)) -> str:
+                lookup_stage_n: int, lookup_stage_s: float, uncommitted_prefix: int = 0) -> str:
     lines = [f'hstu_kv_lookups_total{{model="{LOOKUP}",outcome="{o}"}} {n}' for o, n in lookups.items()]
-    lines += [f'hstu_kv_commit_waits_total{{model="{LOOKUP}",outcome="{o}"}} {n}'
-              for o, n in zip(("committed", "timeout"), commit_waits)]
+    lines += [f'hstu_kv_uncommitted_prefix_lookups_total{{model="{LOOKUP}"}} {uncommitted_prefix}']
     lines += [f'hstu_kv_cached_tokens_total{{model="{LOOKUP}"}} 0',
               f'hstu_kv_onboarded_pages_total{{model="{LOOKUP}"}} {onboarded}',
               f'hstu_kv_pages{{model="{LOOKUP}",state="free"}} 90',
@@ -32,8 +31,8 @@ def scrape_text(lookups: dict[str, int], onboarded: int, offloaded_pages: int, r
 
 
 def test_kv_cache_stats_are_the_deltas_per_model() -> None:
-    before = parse(scrape_text({"device_hit": 1, "host_hit": 0, "miss": 1}, 0, 2, 1, 0.5, 2, 0.2, (1, 0)))
-    after = parse(scrape_text({"device_hit": 4, "host_hit": 1, "miss": 3}, 3, 6, 3, 0.9, 8, 0.8, (3, 1)))
+    before = parse(scrape_text({"device_hit": 1, "host_hit": 0, "miss": 1}, 0, 2, 1, 0.5, 2, 0.2, 1))
+    after = parse(scrape_text({"device_hit": 4, "host_hit": 1, "miss": 3}, 3, 6, 3, 0.9, 8, 0.8, 3))
 
     stats = kv_cache_stats(before, after, page_bytes=1000)
 
@@ -42,7 +41,7 @@ def test_kv_cache_stats_are_the_deltas_per_model() -> None:
     assert owner.lookups.by_outcome == {"device_hit": 3, "host_hit": 1, "miss": 2}
     assert owner.lookups.rate("device_hit") == pytest.approx(0.5) and owner.lookups.outcome is None
     assert (owner.lookups.onboarded_pages, owner.lookups.onboarded_bytes) == (3, 3000)
-    assert owner.lookups.commit_waits == {"committed": 2, "timeout": 1}
+    assert owner.lookups.uncommitted_prefix == 2
     assert owner.stage_ms_mean == {"lookup": pytest.approx(100.0)}  # 0.6 s over 6 requests
     assert owner.offloads is None and owner.store_errors == 0
     offload = stats[OFFLOAD]

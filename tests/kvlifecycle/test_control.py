@@ -172,34 +172,33 @@ def test_onboard_wait_for_a_lease_without_an_onboard_or_a_gone_one_is_answered_a
         assert gone.cached_len is None and "999" in gone.error
 
 
-def test_offload_worker_commits_a_queue_of_answered_requests_in_one_round_trip_then_offloads(pool):
-    """kv_offload answers first and hands (lease id, tokens) to its OffloadWorker: every lease queued
-    since the worker's last turn is committed in one control round trip, then offloaded; the owner's
-    lookup of a user's next request waits for a commit still on its way."""
+def test_offload_worker_commits_a_batch_in_one_round_trip_then_offloads_off_the_caller(pool):
+    """kv_offload commits a batch in one control round trip before it answers (the user's next
+    request then finds the pages with no wait), and hands the pages to put to the worker thread,
+    which puts and reaps them while the caller goes on."""
     from kvlifecycle.offload_worker import OffloadWorker
     store = FakeStore(pool.tensor, SPEC.page_size)
-    with kv_owner(SPEC, store=store, commit_wait_s=5.0) as owner:
+    with kv_owner(SPEC, store=store) as owner:
         mgr = owner.manager
         histories = {user: list(range(100 * user, 100 * user + 8)) for user in (1, 2, 3)}
         leases = {user: mgr.allocate(user, h, mgr.lookup(user, h)) for user, h in histories.items()}
         commits: list[int] = []
         release = threading.Event()
 
-        def before_put() -> None:
-            release.wait(5)  # hold the worker after its commit, so the three are queued as one turn
-
         with ControlClient(owner.endpoint) as client:
-            worker = OffloadWorker(client, store, page_bytes=1, page_size=SPEC.page_size, before_put=before_put,
+            worker = OffloadWorker(client, store, page_bytes=1, page_size=SPEC.page_size,
+                                   before_put=lambda: release.wait(5),  # holds the thread before its puts
                                    on_commit=lambda seconds, n: commits.append(n))
-            worker.submit([(leases[1].lease_id, histories[1])])
-            worker.submit([(leases[2].lease_id, histories[2]), (leases[3].lease_id, histories[3])])
             worker.start()
-            # user 1's next request: found on the device once the worker's commit lands
+            committed = worker.commit([leases[user].lease_id for user in (1, 2, 3)])
+            assert commits == [3] and [len(c.items) for c in committed] == [2, 2, 2]
+            # user 1's next request finds its pages at once, though none is offloaded yet
             assert mgr.lookup(1, histories[1] + [7, 7, 7, 7]).device_tokens == 8
+            assert mgr.stats()["pages_offload_pending"] == 6
+            worker.submit([(c.namespace, histories[user], c.items) for user, c in zip((1, 2, 3), committed)])
             release.set()
             assert worker.stop(flush_timeout_s=5.0) == 0
-        assert commits == [3]
-        assert mgr.stats()["commits"] == 3 and mgr.stats()["commit_wait_timeouts"] == 0
+        assert mgr.stats()["commits"] == 3
         assert mgr.stats()["pages_offload_pending"] == 0  # every put reaped and reported
         assert len(store.pages) == 6  # two full pages per history reached the host store
         mgr.check_invariants()

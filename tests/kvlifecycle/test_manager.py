@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from kvlifecycle.hashing import page_keys
 from kvlifecycle.manager import KVCacheManager, LeaseGone
 from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
@@ -391,22 +392,30 @@ def test_a_batch_that_overflows_the_pool_fails_only_the_requests_that_do_not_fit
     baseline_ok(mgr)
 
 
-def test_lookup_hashes_the_chain_once_and_allocate_reuses_it(mgr, monkeypatch):
-    import kvlifecycle.manager as manager_module
+def test_lookup_hashes_only_the_pages_a_history_added_and_allocate_reuses_them(mgr, monkeypatch):
+    import kvlifecycle.hashing as hashing
 
-    calls = []
-    real = manager_module.page_keys
-    monkeypatch.setattr(manager_module, "page_keys", lambda *a: calls.append(a) or real(*a))
-    requests = [(1, list(range(10))), (2, list(range(20, 33)))]
+    hashed = []
+    real = hashing._chain
+    monkeypatch.setattr(hashing, "_chain", lambda *a: hashed.append(a) or real(*a))
+    requests = [(1, list(range(10))), (2, list(range(20, 33)))]  # 2 and 3 full pages of S=4
 
     hits = mgr.lookup_many(requests)
     allocs = mgr.allocate_many(hits)
-
-    assert len(calls) == 2  # one chain per request, at lookup
-    assert [h.keys for h in hits] == [tuple(real(t, "ns", S)) for _, t in requests]
-    assert all(h.namespace == "ns" for h in hits)
     mgr.commit_many([a.lease_id for a in allocs])
-    assert len(calls) == 2  # commit reads the keys the lease carries
+    assert len(hashed) == 5  # each full page once, at lookup; allocate and commit reuse the keys
+    assert [h.keys for h in hits] == [tuple(page_keys(t, "ns", S)) for _, t in requests]
+
+    grown = list(range(10)) + [7] * 8  # user 1's next request: 2 more full pages
+    rewritten = [0, 1, 2, 3, 9] + grown[5:]  # a change in page 1: pages 1.. are hashed again
+    expected = {tuple(h): tuple(page_keys(h, "ns", S)) for h in (grown, rewritten)}
+    hashed.clear()
+    assert mgr.lookup(1, grown).keys == expected[tuple(grown)]
+    assert len(hashed) == 2  # only the pages it added
+    hashed.clear()
+    assert mgr.lookup(1, rewritten).keys == expected[tuple(rewritten)]
+    assert len(hashed) == 3
+    assert mgr.lookup(3, grown).keys == tuple(page_keys(grown, "ns", S))  # another user: its own chain
 
 
 def test_commit_many_returns_each_leases_namespace_and_pages(smgr):
@@ -515,84 +524,24 @@ def test_a_start_the_store_cannot_serve_is_settled_by_the_first_poll_as_pages_to
     baseline_ok(smgr)
 
 
-# -- a lookup racing the previous request's commit (the ensemble commits after it answers) -----
+# -- a lookup racing the same user's request in flight ----------------------------------------
 
 
-def test_lookup_waits_for_the_commit_of_the_lease_writing_its_next_page(tiny_spec, clock):
-    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
-    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))  # answered; commit on its way
-    committer = threading.Timer(0.05, m.commit, args=(first.lease_id,))
-    committer.start()
-    started = time.monotonic()
-    hit = m.lookup(1, list(range(12)))  # the user's next request
-    waited = time.monotonic() - started
-    committer.join()
-    assert hit.device_tokens == 8 and hit.outcome == "device_hit"
-    assert 0.04 < waited < 2.0
-    assert (m.stats()["commit_waits_committed"], m.stats()["commit_wait_timeouts"]) == (1, 0)
-    m.check_invariants()
-
-
-def test_lookup_recomputes_when_the_commit_does_not_come_in_time(tiny_spec, clock):
-    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=0.05)
-    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
-    started = time.monotonic()
-    hit = m.lookup(1, list(range(12)))
-    assert time.monotonic() - started < 1.0
-    assert hit.outcome == "miss"  # its pages are recomputed: slower, never wrong
-    assert m.stats()["commit_wait_timeouts"] == 1
-    m.abort(first.lease_id)  # the lease's pages return; nothing waits any more
-    assert m.lookup(1, list(range(12))).outcome == "miss"
-    assert m.stats()["commit_wait_timeouts"] == 1
-    m.check_invariants()
-
-
-def test_a_parked_lookup_names_the_lease_it_awaits_and_counts_once_looked_up_again(tiny_spec, clock):
-    """The owner's model parks such a request instead of waiting on its serving thread: the lookup
-    returns at once naming the lease, counts nothing, and the look-up after the wait counts."""
-    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
-    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
-    started = time.monotonic()
-    parked, other = m.lookup_many([(1, list(range(12))), (2, [9] * 12)], park=True)
-    assert time.monotonic() - started < 1.0
-    assert parked.awaited == {first.lease_id} and other.awaited == frozenset()
-    counted = {k: v for k, v in m.stats().items() if k.startswith("lookups_")}
-    assert (counted["lookups_miss"], counted["lookups_device_hit"]) == (2, 0), "only `other` (and the first) counted"
-    committer = threading.Timer(0.05, m.commit, args=(first.lease_id,))
-    committer.start()
-    assert m.wait_for_commits(parked.awaited)
-    committer.join()
-    again = m.lookup_many([(1, list(range(12)))], wait_s=0.0)[0]
-    assert again.outcome == "device_hit" and again.device_tokens == 8 and not again.awaited
-    assert m.stats()["lookups_device_hit"] == 1
-    assert (m.stats()["commit_waits_committed"], m.stats()["commit_wait_timeouts"]) == (1, 0)
-    m.check_invariants()
-
-
-def test_a_parked_wait_times_out_and_the_lookup_after_it_does_not_wait_again(tiny_spec, clock):
-    m = KVCacheManager(tiny_spec, "ns", None, clock=clock, commit_wait_s=5.0)
-    first = m.allocate(1, list(range(8)), m.lookup(1, list(range(8))))
-    parked = m.lookup_many([(1, list(range(12)))], park=True)[0]
-    assert not m.wait_for_commits(parked.awaited, timeout_s=0.05)
-    started = time.monotonic()
-    assert m.lookup_many([(1, list(range(12)))], wait_s=0.0)[0].outcome == "miss"  # recomputed, never wrong
-    assert time.monotonic() - started < 1.0
-    assert m.stats()["commit_wait_timeouts"] == 1
-    m.abort(first.lease_id)
-    m.check_invariants()
-
-
-def test_no_wait_without_commit_wait_or_for_other_histories(mgr):
-    first = mgr.allocate(1, list(range(8)), mgr.lookup(1, list(range(8))))
-    assert mgr.lookup(1, list(range(12))).outcome == "miss"  # commit_wait_s 0 (the monolithic)
-    assert not mgr.lookup_many([(1, list(range(12)))], park=True)[0].awaited  # nothing to park for either
-    waiting = KVCacheManager(mgr.spec, "ns", None, commit_wait_s=5.0)
-    waiting.allocate(1, list(range(8)), waiting.lookup(1, list(range(8))))
-    started = time.monotonic()
-    assert waiting.lookup(2, [9] * 12).outcome == "miss"  # another history: nothing to wait for
-    assert time.monotonic() - started < 1.0
-    assert waiting.stats()["commit_waits_committed"] + waiting.stats()["commit_wait_timeouts"] == 0
-    mgr.abort(first.lease_id)
+def test_a_prefix_still_being_written_is_recomputed_never_waited_for_and_counted(mgr):
+    """Both models commit before they answer; a user's request sent while its previous one still
+    computes finds that prefix LEASED: it does not wait, computes those pages itself (the first
+    commit of a key wins, the other page is freed) and is counted."""
+    first = mgr.allocate(1, list(range(8)), mgr.lookup(1, list(range(8))))  # in flight
+    hit = mgr.lookup(1, list(range(12)))
+    assert hit.outcome == "miss" and mgr.stats()["uncommitted_prefix_lookups"] == 1
+    second = mgr.allocate(1, list(range(12)), hit)
+    assert mgr.lookup(2, [9] * 12).outcome == "miss"  # another history: nothing in flight for it
+    assert mgr.stats()["uncommitted_prefix_lookups"] == 1
+    mgr.commit(first.lease_id)
+    mgr.commit(second.lease_id)
+    assert mgr.stats()["duplicate_pages"] == 2  # pages 0 and 1, written by both
+    assert mgr.lookup(1, list(range(12))).device_tokens == 12
+    mgr.check_invariants()
 
 
 # -- a request the pool cannot hold yet (pages pinned by the previous request's offload) ---------

@@ -5,9 +5,8 @@
   working set; 3 max-length histories fill it), a 512 MB store DRAM tier plus a disk tier, and
   a test model repository (`fault_repository`) whose hstu_compute is a subclass of the real one
   that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`) and whose
-  kv_offload commits a request with candidate `SLOW_COMMIT_CANDIDATE` `COMMIT_DELAY_S` late
-  (`fault_models/kv_offload_model.py`; the owner's commit wait is `FAULT_COMMIT_WAIT_S`, longer
-  than that). It boots in the background from the first reliability test on, while the
+  kv_offload commits a request with candidate `SLOW_COMMIT_CANDIDATE` `COMMIT_DELAY_S` after
+  its answer (`fault_models/kv_offload_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
   process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 runs
@@ -54,7 +53,6 @@ from tests.helpers import ModelStats, metric, wait_for
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
 SLOW_COMMIT_CANDIDATE = 99_993  # nor this one
 COMMIT_DELAY_S = 1.5  # how late kv_offload commits a request with SLOW_COMMIT_CANDIDATE
-FAULT_COMMIT_WAIT_S = 3.0  # the owner waits longer than that (HSTU_COMMIT_WAIT_S; 0.25 s by default)
 FAULT_MODELS = {COMPUTE: Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py",
                 OFFLOAD: Path(__file__).resolve().parent / "fault_models" / "kv_offload_model.py"}
 SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"
@@ -83,7 +81,7 @@ def fault_repository(root: Path) -> Path:
 
 def fault_launch_config(root: Path):
     return launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk", store_dram_bytes=512 << 20,
-                         model_repository=fault_repository(root), commit_wait_s=FAULT_COMMIT_WAIT_S,
+                         model_repository=fault_repository(root),
                          extra_env={"HSTU_TEST_FAULT_CANDIDATE": str(FAULT_CANDIDATE),
                                     "HSTU_TEST_SLOW_COMMIT_CANDIDATE": str(SLOW_COMMIT_CANDIDATE),
                                     "HSTU_TEST_COMMIT_DELAY_S": str(COMMIT_DELAY_S),

@@ -8,19 +8,21 @@ alone; a failed request's lease is aborted so its pages return at once. It answe
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
 Onboarding: kv_lookup_alloc answers a request with pages beyond its device prefix before the
-host store is even asked about them (`onboard_len` > 0). `execute` computes and answers the
-batch's other requests at once and hands these to the onboard thread (`_finish_onboards`),
-which asks the owner's control plane how their onboards ended (`onboard_wait`, one round trip
-for all it has), then has each computed: it reads what was copied and computes the rest (pages
-the store did not hold, or a failed or late copy, are computed; a copy that may still be running
-moves the request to fresh pages). So a copy holds only its own request: neither the batch's
-device hits nor this instance's next batch wait for it. `execute` returns the answers of the
-requests it computed; a handed-over request is answered through its response sender
-(`Pending`, deploy/runtime/triton_io.py).
+host store is even asked about them (`onboard_len` > 0). `execute` hands the batch's other
+requests to the forward thread at once, and meanwhile asks the owner's control plane how the
+onboards ended (`onboard_wait`, one round trip for all of them); then each onboarded request is
+computed: it reads what was copied and computes the rest (pages the store did not hold, or a
+failed or late copy, are computed; a copy that may still be running moves the request to fresh
+pages). The device hits' forward overlaps the copies' wait.
+
+Every request is answered in the list `execute` returns, never through a response sender: the
+Python backend of tritonserver 2.51 corrupted memory when a batch's answers mixed the two
+(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"). So a batch with a host hit returns once
+that copy is settled (at most the owner's onboard wait).
 
 Every compiled forward runs on one thread, the forward thread (`_run_forwards`): `execute` hands
-it the batch's ready requests and waits for them, the onboard thread hands it the settled ones.
-One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread that starts
+it the batch's ready requests, then the settled ones, and waits for them; what was queued
+meanwhile is computed as one batch. One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread that starts
 a parallel region a thread team of its own, and with more team threads than cores every barrier
 sleeps instead of spinning: once the onboard thread had computed too, every call of the CPU
 package took 2.5x as long on the 2-core CPU machine.
@@ -43,12 +45,13 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
+from compute.batch import CALL_CELLS
 from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
 from deploy.runtime import published
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import Pending, error_response, input_tensor, output_tensor
+from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
@@ -81,10 +84,6 @@ class TritonPythonModel:
         self._forwards: queue.Queue = queue.Queue()  # (ComputeRequests, Event set when answered), then STOP
         self._forward_thread = threading.Thread(target=self._run_forwards, name="hstu-compute-forwards", daemon=True)
         self._forward_thread.start()
-        self._onboarding: queue.Queue = queue.Queue()  # lists of ComputeRequest, then STOP
-        self._onboard_thread = threading.Thread(target=self._finish_onboards, name="hstu-compute-onboards",
-                                                daemon=True)
-        self._onboard_thread.start()
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
             "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file
@@ -93,8 +92,7 @@ class TritonPythonModel:
                     self.namespace[:12])
 
     def execute(self, requests):
-        pending = [ComputeRequest(request) for request in requests]
-        handed_over = []
+        pending = [ComputeRequest() for _ in requests]
         try:
             ready, onboarding = [], []
             for p, request in zip(pending, requests):
@@ -109,22 +107,16 @@ class TritonPythonModel:
                 else:
                     p.plan = plan
                     (onboarding if plan.onboard_len else ready).append(p)
-            if onboarding:  # first: their onboard_wait overlaps the compute below
-                for p in onboarding:
-                    p.hand_over()
-                self._onboarding.put(onboarding)
-                handed_over = onboarding
-            self._compute_on_forward_thread(ready).wait()
+            computed = self._compute_on_forward_thread(ready)  # runs while the onboards are settled
+            self._compute_on_forward_thread(self._settle_onboards(onboarding)).wait()
+            computed.wait()
         except Exception as e:  # a bug: whatever is unanswered fails, not the instance
             logger.error("hstu_compute failed on a batch of %d", len(requests), exc_info=True)
             for p in pending:
-                if p not in handed_over:
-                    p.answer(error_response(f"hstu_compute: internal error: {e}"))
-        return Pending.returned(pending)  # the handed-over requests are answered once their onboard settled
+                p.answer(error_response(f"hstu_compute: internal error: {e}"))
+        return [p.response for p in pending]
 
     def finalize(self):
-        self._onboarding.put(STOP)  # what was handed over is answered first
-        self._onboard_thread.join(timeout=2 * self.onboard_wait_timeout_s)
         self._forwards.put(STOP)
         self._forward_thread.join()
         self.metrics.close()
@@ -145,17 +137,22 @@ class TritonPythonModel:
         return answered
 
     def _run_forwards(self) -> None:
-        """The forward thread: computes and answers each queued list of requests, in order; on
-        STOP, after the last of them."""
-        while (job := self._forwards.get()) is not STOP:
-            items, answered = job
+        """The forward thread: computes and answers every list of requests queued since its last
+        turn as one batch (settled host hits join the batch that comes next); on STOP, after the
+        last of them."""
+        while True:
+            jobs, stop = drain(self._forwards, self._forwards.get())
+            items = [p for job_items, _ in jobs for p in job_items]
             try:
                 self._compute(items)
             except Exception as e:  # a bug: these requests fail, the thread goes on
                 logger.error("hstu_compute failed on a batch of %d", len(items), exc_info=True)
                 for p in items:
                     p.answer(error_response(f"hstu_compute: internal error: {e}"))
-            answered.set()
+            for _, answered in jobs:
+                answered.set()
+            if stop:
+                return
 
     def _compute(self, items: list["ComputeRequest"]) -> None:
         """Score `items` and answer each (on the forward thread only)."""
@@ -163,7 +160,7 @@ class TritonPythonModel:
         shapes = [(p.plan.new_tokens.numel() + p.plan.candidates.numel(), p.plan.cached_len + p.plan.new_tokens.numel())
                   for p in items]
         pool = self._attach_pool()
-        for group in plan_sub_batches(shapes):
+        for group in plan_sub_batches(shapes, call_cells=CALL_CELLS[self.device.type]):
             members = [items[j] for j in group]
             started = time.perf_counter()
             try:
@@ -177,22 +174,6 @@ class TritonPythonModel:
             self.stages.add("compute", time.perf_counter() - started, len(members))
             for p, s in zip(members, scores):
                 p.answer(self._response(s))
-
-    def _finish_onboards(self) -> None:
-        """The onboard thread: settle every request handed over since its last turn (one
-        `onboard_wait`) and hand them to the forward thread, which answers them; on STOP, after
-        the last of them."""
-        while True:
-            batches, stop = drain(self._onboarding, self._onboarding.get())
-            items = [p for batch in batches for p in batch]
-            try:
-                self._compute_on_forward_thread(self._settle_onboards(items))
-            except Exception as e:  # a bug: these requests fail, the thread goes on
-                logger.error("hstu_compute: onboarding requests failed", exc_info=True)
-                for p in items:
-                    p.answer(error_response(f"hstu_compute: internal error: {e}"))
-            if stop:
-                return
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
@@ -292,9 +273,14 @@ class TritonPythonModel:
         return self.pool
 
 
-class ComputeRequest(Pending):
-    """A request of a batch until it is answered, with its plan once parsed."""
+class ComputeRequest:
+    """A request of a batch until it is answered, with its plan once parsed. Answered once: a
+    later answer (an error for a request the forward thread answered meanwhile) is ignored."""
 
-    def __init__(self, request) -> None:
-        super().__init__(request, "hstu_compute")
+    def __init__(self) -> None:
         self.plan: ComputePlan | None = None
+        self.response = None
+
+    def answer(self, response) -> None:
+        if self.response is None:
+            self.response = response

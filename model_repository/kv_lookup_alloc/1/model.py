@@ -2,51 +2,45 @@
 
 One instance (one process) owns the page table; it creates the device page pool at `initialize`
 and publishes its handle for hstu_compute and the host store, and serves the control plane that
-kv_offload (commits, offload completions) and hstu_compute (aborts) talk to.
+kv_offload (commits, offload completions) and hstu_compute (onboard outcomes, aborts) talk to.
 
-Dynamic batching hands `execute` every queued request. They go through the cache together
-(`KVCacheManager.lookup_many`, `allocate_many`, `onboard_start_many`): one table lock per step.
-A request with pages beyond its device prefix (`min_host_pages` or more) is answered at once
-with them as onboard pages (`onboard_len`), without asking the host store here: the control
-plane's thread asks it (one round trip: copy the ones you hold) and settles each copy when the
-store reports it done, or as a timeout; pages not copied are recomputed. hstu_compute asks this
-process's control plane how that request's onboard ended before it reads them, so neither a
-store round trip nor a slow copy holds another request here.
+Dynamic batching hands `execute` every queued request, and each fixed cost is paid once per
+batch: the id ranges of the whole batch are checked in one pass, the history tokens made in one
+pass, and the batch goes through the cache together (`KVCacheManager.lookup_many`,
+`allocate_many`, `onboard_start_many`: one table lock per step), each request hashing only the
+pages its history added (`PrefixKeys`). A request with pages beyond its device prefix
+(`min_host_pages` or more) is answered at once with them as onboard pages (`onboard_len`),
+without asking the host store here: the control plane's thread asks it (one round trip: copy the
+ones you hold) and settles each copy when the store reports it done, or as a timeout; pages not
+copied are recomputed. hstu_compute asks this process's control plane how that request's onboard
+ended before it reads them.
 
-kv_offload commits a request's pages after answering it, so a user's next request can find
-them still being written by the previous request's lease. Such a request is parked, not
-waited for here: the commit-wait thread waits up to `HSTU_COMMIT_WAIT_S` for that lease to
-commit, then serves it (its pages are then device hits; on a timeout they are recomputed). So
-a late commit holds only its own user's next request, never the requests behind it. `execute`
-returns the answers of the requests it served; a parked request is answered through its
-response sender by the commit-wait thread (`Pending`). `_serve` runs on one thread at a time
-(`_serve_lock`). The request's namespace, page keys and token ids are fixed here, once, and
-travel with its lease. A bad request or an exhausted pool becomes an error response for that
-request only and changes no cache state.
+Every request is answered in the list `execute` returns, never through a response sender: the
+Python backend of tritonserver 2.51 corrupted memory when a batch's answers mixed the two
+(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"). Nothing here waits for a commit:
+kv_offload commits before it answers, and a request that finds its prefix still being written
+(the same user's previous request still in flight) computes those pages itself. A bad request or
+an exhausted pool becomes an error response for that request only and changes no cache state.
 """
 import logging
 import os
-import queue
-import threading
 import time
 
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute import HSTUConfig, fingerprint, history_tokens
+from compute import HSTUConfig, fingerprint, history_tokens_many
 from deploy.runtime import published
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_kv_cache
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import (BadRequest, Pending, RankingInputs, error_response, output_tensor,
-                                     read_ranking_request)
+from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_batch
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.leases import Lease
 from kvlifecycle.page_table import PoolExhausted
-from kvlifecycle.queues import STOP
 
 logger = logging.getLogger("kv_lookup_alloc")
 
@@ -59,11 +53,7 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)
-        # kv_offload commits after it answers: a user's next request may find its previous
-        # request's pages not committed yet, and waits for them (ServingSettings.commit_wait_s) on
-        # the commit-wait thread
-        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir),
-                                   commit_wait_s=self.settings.commit_wait_s)
+        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
         if self.cache.store is None:  # once per server: this is the ensemble's one cache owner
             logger.warning("kv_lookup_alloc: no host store (HSTU_STORE=%s): serving from the device cache alone, "
                            "so a history evicted from the page pool is recomputed. For the host tier, run "
@@ -74,35 +64,31 @@ class TritonPythonModel:
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 OWNER_KEYS + stage_keys("commit_wait", "lookup", "allocate", "onboard_launch"),
+                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard_launch"),
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
-        self._serve_lock = threading.Lock()  # the manager's lookup -> allocate -> launch, one batch at a time
-        self._parked: queue.Queue = queue.Queue()  # OwnerRequests waiting for a commit, then STOP
-        self._commit_waits = threading.Thread(target=self._serve_parked, name="kv-owner-commit-waits", daemon=True)
-        self._commit_waits.start()
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
 
     def execute(self, requests):
         self._follow_compute_version()
-        replies, batch = [], []
-        for request in requests:
-            reply = Pending(request, "kv_lookup_alloc")
-            replies.append(reply)
-            try:
-                r = read_ranking_request(request, self.config)
-                batch.append(OwnerRequest(reply, r, history_tokens(r.item_ids, r.action_ids, self.config, checked=True)))
-            except BadRequest as e:
-                reply.answer(error_response(str(e)))
-            except Exception as e:  # a bug must fail this request only, not the batch
-                logger.error("kv_lookup_alloc failed to read a request", exc_info=True)
+        replies = [Reply() for _ in requests]
+        batch = []
+        try:
+            inputs = read_ranking_batch(requests, self.config)  # every id range of the batch in one pass
+            valid = [(reply, r) for reply, r in zip(replies, inputs) if not isinstance(r, BadRequest)]
+            for reply, r in zip(replies, inputs):
+                if isinstance(r, BadRequest):
+                    reply.answer(error_response(str(r)))
+            tokens = history_tokens_many([(r.item_ids, r.action_ids) for _, r in valid], self.config)
+            batch = [OwnerRequest(reply, r, t) for (reply, r), t in zip(valid, tokens)]
+        except Exception as e:  # a bug must fail this batch's requests, not the instance
+            logger.error("kv_lookup_alloc failed to read a batch of %d", len(requests), exc_info=True)
+            for reply in replies:
                 reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
-        self._serve_batch(batch, park=True)
-        return Pending.returned(replies)  # a parked request is answered by the commit-wait thread
+        self._serve_batch(batch)
+        return [reply.response for reply in replies]
 
     def finalize(self):
-        self._parked.put(STOP)  # what is parked is served first
-        self._commit_waits.join()
         self.metrics.close()
         self.control.close()
         self.cache.close()
@@ -127,46 +113,30 @@ class TritonPythonModel:
                         version["namespace"][:12], self.cache.manager.namespace[:12])
             self.cache.manager.use_namespace(version["namespace"])
 
-    def _serve_batch(self, batch: list["OwnerRequest"], park: bool) -> None:
+    def _serve_batch(self, batch: list["OwnerRequest"]) -> None:
         """`_serve` the batch; if it fails (a bug), each request alone, so that it fails that
         request only."""
         try:
-            with self._serve_lock:
-                self._serve(batch, park)
+            self._serve(batch)
         except Exception:
             logger.error("kv_lookup_alloc failed on a batch of %d; serving them one by one", len(batch), exc_info=True)
             for item in batch:
-                if item.reply.answered or (park and item.parked):  # a parked one is served on its thread
+                if item.reply.response is not None:
                     continue
                 try:
-                    with self._serve_lock:
-                        self._serve([item], park)
+                    self._serve([item])
                 except Exception as e:
                     logger.error("kv_lookup_alloc failed on a request", exc_info=True)
                     item.reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
 
-    def _serve(self, batch: list["OwnerRequest"], park: bool) -> None:
-        """Lookup, allocate and launch the onboards of the whole batch, and answer each request.
-        `park`: a request whose next page a lease is still writing goes to the commit-wait thread
-        instead (it looks up again there)."""
+    def _serve(self, batch: list["OwnerRequest"]) -> None:
+        """Lookup, allocate and launch the onboards of the whole batch, and answer each request."""
         if not batch:
             return
         manager = self.cache.manager
         started = time.perf_counter()
         # The store is not asked here: the control plane's thread asks it about each onboard started.
-        # Never waits here: a request to wait for is parked, or was parked and takes what is committed now.
-        hits = manager.lookup_many([(item.inputs.user_id, item.tokens) for item in batch], ask_store=False,
-                                   wait_s=0.0, park=park)
-        if park and any(hit.awaited for hit in hits):
-            for item, hit in zip(batch, hits):
-                if hit.awaited:
-                    item.awaited, item.parked_at = hit.awaited, time.monotonic()
-                    item.reply.hand_over()
-                    self._parked.put(item)
-            batch = [item for item in batch if not item.parked]
-            hits = [hit for hit in hits if not hit.awaited]
-            if not batch:
-                return
+        hits = manager.lookup_many([(item.inputs.user_id, item.tokens) for item in batch], ask_store=False)
         n = len(batch)
         looked_up = time.perf_counter()
         leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
@@ -189,15 +159,6 @@ class TritonPythonModel:
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard_launch", launched - allocated, n)
 
-    def _serve_parked(self) -> None:
-        """The commit-wait thread: each parked request, in order, waits for the leases it awaits
-        (at most `commit_wait_s` since it was parked), then is served."""
-        manager = self.cache.manager
-        while (item := self._parked.get()) is not STOP:
-            manager.wait_for_commits(item.awaited, item.parked_at + manager.commit_wait_s - time.monotonic())
-            self.stages.add("commit_wait", time.monotonic() - item.parked_at)
-            self._serve_batch([item], park=False)
-
     def _response(self, item: "OwnerRequest", lease):
         if isinstance(lease, PoolExhausted):
             return error_response(f"KV page pool exhausted, retry later: {lease}")
@@ -212,17 +173,20 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
 
 
-class OwnerRequest:
-    """A validated request until it is answered: its reply, inputs and history tokens; while
-    parked, the leases it waits for and when it was parked."""
+class Reply:
+    """A request's answer, once given: `execute` returns it."""
 
-    def __init__(self, reply: Pending, inputs: RankingInputs, tokens: torch.Tensor) -> None:
+    def __init__(self) -> None:
+        self.response = None
+
+    def answer(self, response) -> None:
+        self.response = response
+
+
+class OwnerRequest:
+    """A validated request until it is answered: its reply, inputs and history tokens."""
+
+    def __init__(self, reply: Reply, inputs: RankingInputs, tokens: torch.Tensor) -> None:
         self.reply = reply
         self.inputs = inputs
         self.tokens = tokens
-        self.awaited: frozenset[int] = frozenset()
-        self.parked_at = 0.0
-
-    @property
-    def parked(self) -> bool:
-        return bool(self.awaited)

@@ -1,18 +1,14 @@
-"""kv_offload: answer, then commit and offload off the request's critical path.
+"""kv_offload: commit the batch, answer, and offload off the request's critical path.
 
-Dynamic batching hands `execute` every queued request. It answers them with the scores and
-hands each one's lease id and history (`input_tensor` copies it: the request's buffers end with
-`execute`) to the background `OffloadWorker`, which commits every lease queued since its last
-turn with the owner (kv_lookup_alloc) in one control round trip, puts the committed pages into
-the host store, and reaps finished puts. The token ids the store keys pages by are made there,
-only for the requests with pages to put (kv_lookup_alloc validated every history already).
-Committing after the answer takes the control round trip (0.6-1.2 ms on the H200 host) off
-every request and off this model's `execute`; a user's next request, which can arrive before
-that commit lands, waits for it in the owner (`HSTU_COMMIT_WAIT_S`, 0.25 s at most by default),
-so it still finds the pages. The model is not decoupled: the offload never ran inside
-`execute`, and a decoupled sender costs a synchronous round trip to the server per send.
-`finalize` (model unload, server stop) flushes: it commits what is queued and waits for every
-pending offload before returning.
+Dynamic batching hands `execute` every queued request. It reads each one's lease id (one value
+of kv_lookup_alloc's plan), commits every lease of the batch with the owner (kv_lookup_alloc) in
+one control round trip, and answers with the scores. Committing before answering is what lets
+the owner never wait: once a client has its answer, its next request finds these pages on the
+device. The pages to put go to the background `OffloadWorker` with the history of the requests
+that have any (`input_tensor` copies it: the request's buffers end with `execute`), which makes
+their token ids, puts them into the host store and reaps finished puts, after the answer.
+`finalize` (model unload, server stop) flushes: it waits for every pending offload before
+returning.
 """
 import logging
 import time
@@ -26,7 +22,7 @@ from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
+from deploy.runtime.triton_io import error_response, input_tensor, input_view, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
@@ -58,20 +54,24 @@ class TritonPythonModel:
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
-        responses = []
-        finished = []  # (lease id, (item ids, action ids))
-        for request in requests:
+        responses: list = [None] * len(requests)
+        lease_ids, answered = [], []  # per request read: its lease id, its index
+        for i, request in enumerate(requests):
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
-                lease_id = ComputePlan.lease_id_of(input_tensor(request, "compute_plan"))
-                history = tuple(input_tensor(request, name).reshape(-1) for name in ("item_ids", "action_ids"))
+                lease_ids.append(ComputePlan.lease_id_of(input_view(request, "compute_plan")))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
-                responses.append(error_response(f"kv_offload: {e}"))
+                responses[i] = error_response(f"kv_offload: {e}")
                 continue
-            responses.append(pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)]))
-            finished.append((lease_id, history))
-        self.worker.submit(finished)  # returns at once; the worker thread commits and offloads
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)])
+            answered.append(i)
+        puts = []
+        for i, committed in zip(answered, self.worker.commit(lease_ids)):
+            if committed.items:  # the history only of the requests with pages to put
+                history = tuple(input_tensor(requests[i], name).reshape(-1) for name in ("item_ids", "action_ids"))
+                puts.append((committed.namespace, history, committed.items))
+        self.worker.submit(puts)  # returns at once; the worker thread offloads
         return responses
 
     def _register_owner_pool(self):

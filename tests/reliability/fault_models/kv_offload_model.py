@@ -2,10 +2,10 @@
 
 `fault_repository()` (tests/reliability/conftest.py) serves this file as `kv_offload/1/model.py`.
 It subclasses the real model, loaded from its file (the Python-backend stub does not put the
-tests on the import path), and answers as the real one does, but hands a request with
-candidate id `HSTU_TEST_SLOW_COMMIT_CANDIDATE` to the offload worker (which commits it)
-`HSTU_TEST_COMMIT_DELAY_S` seconds late: the user's next request then finds the previous one's
-pages still being written, as it does when a commit is slow under load.
+tests on the import path), and answers as the real one does, but commits a request with
+candidate id `HSTU_TEST_SLOW_COMMIT_CANDIDATE` `HSTU_TEST_COMMIT_DELAY_S` seconds after its
+answer: the user's next request then finds the previous one's pages still being written, as
+when a user's two requests are in flight at once.
 """
 import importlib.util
 import os
@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from deploy.runtime.compute_plan import ComputePlan
+from kvlifecycle.page_table import Committed
 from deploy.runtime.triton_io import input_tensor
 
 SLOW_COMMIT_CANDIDATE = int(os.environ["HSTU_TEST_SLOW_COMMIT_CANDIDATE"])
@@ -28,18 +29,19 @@ class TritonPythonModel(_real.TritonPythonModel):
     def initialize(self, args):
         super().initialize(args)
         self._late = set()  # lease ids whose commit is held back
-        submit = self.worker.submit
+        commit = self.worker.commit
 
-        def submit_late_ones_later(finished):
-            late = [f for f in finished if f[0] in self._late]
-            submit([f for f in finished if f[0] not in self._late])
+        def commit_late_ones_later(lease_ids):
+            late = [lease_id for lease_id in lease_ids if lease_id in self._late]
             if late:
-                timer = threading.Timer(COMMIT_DELAY_S, submit, args=(late,))
+                timer = threading.Timer(COMMIT_DELAY_S, lambda: self.worker.submit(
+                    [(c.namespace, None, c.items) for c in commit(late) if c.items]))  # puts fail: no history
                 timer.daemon = True
                 timer.start()
+            on_time = iter(commit([lease_id for lease_id in lease_ids if lease_id not in self._late]))
+            return [Committed(lease_id, "", ()) if lease_id in self._late else next(on_time) for lease_id in lease_ids]
 
-        self.worker.submit = submit_late_ones_later
-
+        self.worker.commit = commit_late_ones_later
     def execute(self, requests):
         for request in requests:
             try:
