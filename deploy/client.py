@@ -21,11 +21,23 @@ to one server, so one stream must carry one user: `RankingClient` (re)opens its 
 user's header when the user changes, and `replay` gives each worker whole users (balanced by
 request count) and keeps one open stream per user (at most `MAX_USER_STREAMS` per worker), each
 user's requests in trace order, one at a time.
+
+Several processes (`replay(..., processes=N)`, `hstu-client --processes N`): one Python process
+cannot drive a fast server (its client threads share one GIL: at the same concurrency a
+one-process replay measured 2.6x less than perf_analyzer). With N > 1 the trace's users are
+split over N worker processes (whole users, balanced by request count, so one user's requests
+stay in one process in trace order) and the clients over the processes; each process runs the
+same threaded replay on its share, and the results are merged under the original trace indexes.
+The processes start, import and report ready first; the wall time runs from their common
+release to the last process's end, so it covers sending only.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
+import os
 import queue
 import sys
 import threading
@@ -44,6 +56,7 @@ from deploy.runtime.schema import ENSEMBLE, RETRYABLE, RankingRequest
 
 ROUTE_HEADER = "x-user-id"
 MAX_USER_STREAMS = 64  # open gRPC streams per replay worker in routing mode (least recently used closed)
+PROCESS_START_TIMEOUT_S = 300.0  # a replay process's spawn and imports, on a busy host (not timed)
 
 
 class RequestFailed(RuntimeError):
@@ -194,15 +207,42 @@ class ReplayResult:
         return float(np.percentile(self.latencies_s, q) * 1e3) if self.latencies_s else float("nan")
 
 
+def default_processes(concurrency: int) -> int:
+    """Replay processes for `concurrency` clients: one per 8 clients, at most half the cores.
+
+    Why 8: one Python process keeps about 8 streaming clients busy before their threads queue
+    on its GIL (marshalling inputs, reading responses); more clients per process measure the
+    client, not the server. Why half the cores: the server on the same host (tritonserver, its
+    Python backend stubs, the host store) needs the other half, and a replay process that has
+    no core of its own measures scheduling instead."""
+    return max(1, min(concurrency // 8 or 1, (os.cpu_count() or 2) // 2 or 1))
+
+
 def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurrency: int = 1,
-           http: bool = False, timeout_s: float = 60.0, route_header: str | None = None) -> ReplayResult:
+           http: bool = False, timeout_s: float = 60.0, route_header: str | None = None,
+           processes: int = 1) -> ReplayResult:
     """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors.
 
     With `route_header` each worker owns whole users and keeps one stream per user (see the
     module docstring); without it the workers share the trace in order. Any exception of a
     request is that request's error (a broken gRPC stream raises from `async_stream_infer`, a
     refused HTTP connection from urlopen); a request a worker never sent, because the worker
-    itself failed, is an error too."""
+    itself failed, is an error too.
+
+    `processes` > 1 spreads the clients over that many worker processes (never more than
+    `concurrency`, nor than the trace has users), each owning whole users: see the module
+    docstring. The result is the same as one process's, under the same trace indexes."""
+    processes = min(processes, concurrency)
+    if processes > 1:
+        parts = partition_by_user(trace, processes)
+        if len(parts) > 1:  # one user (or none): one process is all there is, so stay in this one
+            return _replay_processes(trace, parts, url, model, concurrency, http, timeout_s, route_header)
+    return _replay_threads(trace, url, model, concurrency, http, timeout_s, route_header)
+
+
+def _replay_threads(trace: list[RankingRequest], url: str, model: str, concurrency: int,
+                    http: bool, timeout_s: float, route_header: str | None) -> ReplayResult:
+    """`replay` in this process: `concurrency` client threads."""
     result = ReplayResult()
     lock = threading.Lock()
     latencies: dict[int, float] = {}
@@ -271,6 +311,106 @@ def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurr
             result.errors[i] = "not sent: " + (worker_errors[0] if worker_errors else "no client worker took it")
     result.latencies_s = [latencies[i] for i in sorted(latencies)]
     return result
+
+
+def _replay_processes(trace: list[RankingRequest], parts: list[list[int]], url: str, model: str,
+                      concurrency: int, http: bool, timeout_s: float, route_header: str | None) -> ReplayResult:
+    """`replay` over one worker process per part of `parts` (trace indexes of whole users), the
+    `concurrency` clients dealt as evenly as possible (each part at least one: len(parts) <= concurrency).
+
+    "spawn": a forked child would inherit the gRPC state of this process (a channel another
+    thread opened), which gRPC does not support; a spawned child starts clean. Each child reports
+    ready once it has imported its client, then waits for the common release, so neither the
+    spawn nor the imports are timed."""
+    ctx = multiprocessing.get_context("spawn")
+    release = ctx.Event()
+    shares = [concurrency // len(parts) + (k < concurrency % len(parts)) for k in range(len(parts))]
+    workers: list[tuple[multiprocessing.connection.Connection, multiprocessing.process.BaseProcess, list[int]]] = []
+    result = ReplayResult()
+    failed: dict[int, str] = {}  # part -> why it gave no result
+    try:
+        for indexes, share in zip(parts, shares):
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_replay_process, daemon=True, name="hstu-replay",
+                                  args=(sender, release, [trace[i] for i in indexes], share, url, model, http,
+                                        timeout_s, route_header))
+            process.start()
+            sender.close()  # the child holds it now; our copy would keep EOF from ever arriving
+            workers.append((receiver, process, indexes))
+        for k, (receiver, process, _) in enumerate(workers):
+            message = _receive(receiver, process, PROCESS_START_TIMEOUT_S)
+            if message != "ready":
+                failed[k] = f"replay process did not start: {message}"
+                process.terminate()  # a late starter must not send its part after the release: its requests are errors
+        released = time.monotonic()  # CLOCK_MONOTONIC is system-wide: the children's end times compare with it
+        release.set()
+        ends: list[float] = []
+        latencies: dict[int, float] = {}
+        for k, (receiver, process, indexes) in enumerate(workers):
+            if k in failed:
+                continue
+            message = _receive(receiver, process, None)
+            if not isinstance(message, tuple):
+                failed[k] = f"replay process failed: {message}"
+                continue
+            scores, part_latencies, errors, end = message
+            ends.append(end)
+            # the child's indexes are positions in its part: back to the trace's indexes
+            result.scores.update((indexes[j], v) for j, v in scores.items())
+            latencies.update((indexes[j], v) for j, v in part_latencies.items())
+            result.errors.update((indexes[j], v) for j, v in errors.items())
+        result.wall_s = max(ends) - released if ends else 0.0
+    finally:
+        # Normally every child has sent its result and is exiting. When this replay broke off
+        # (an exception, ^C), a child still waiting for the release or still sending is stopped:
+        # releasing it would send its part with nobody reading the result.
+        for receiver, process, _ in workers:
+            receiver.close()
+            process.join(timeout=10.0 if release.is_set() else 0.0)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    for k, why in failed.items():
+        for i in workers[k][2]:
+            result.errors[i] = f"not sent: {why}"
+    result.latencies_s = [latencies[i] for i in sorted(latencies)]
+    return result
+
+
+def _receive(receiver: multiprocessing.connection.Connection, process: multiprocessing.process.BaseProcess,
+             timeout_s: float | None) -> object:
+    """The next message of a replay process, or a string saying why none came (it exited, or the timeout)."""
+    multiprocessing.connection.wait([receiver, process.sentinel], timeout_s)
+    if receiver.poll():  # checked first: a child that sent and exited has both ready
+        try:
+            return receiver.recv()
+        except EOFError:
+            pass
+    if not process.is_alive():
+        process.join()
+        return f"exited with code {process.exitcode} before it answered"
+    return f"no answer within {timeout_s:g} s"
+
+
+def _replay_process(sender: multiprocessing.connection.Connection, release: multiprocessing.synchronize.Event,
+                    trace: list[RankingRequest], concurrency: int, url: str, model: str, http: bool,
+                    timeout_s: float, route_header: str | None) -> None:
+    """A replay worker process: report ready, wait for the release, replay `trace` (one part of the
+    parent's), send back (scores, latencies, errors keyed by position in `trace`, end time)."""
+    try:
+        if not http:
+            import tritonclient.grpc  # noqa: F401 - imported before the release, so its import is not timed
+        sender.send("ready")
+        release.wait()
+        part = _replay_threads(trace, url, model, concurrency, http, timeout_s, route_header)
+        end = time.monotonic()
+        # latencies_s is in trace order over the scored requests: the sorted score indexes
+        latencies = dict(zip(sorted(part.scores), part.latencies_s, strict=True))
+        sender.send((part.scores, latencies, part.errors, end))
+    except Exception as e:  # noqa: BLE001 - the parent turns this part's requests into errors with this cause
+        sender.send(f"{type(e).__name__}: {e}")
+    finally:
+        sender.close()
 
 
 def partition_by_user(trace: list[RankingRequest], parts: int) -> list[list[int]]:
@@ -372,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actions", help="comma-separated action ids, one per item")
     p.add_argument("--candidates", help="comma-separated candidate item ids")
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--processes", type=int, default=1,
+                   help="spread the clients over this many processes, each owning whole users (one Python "
+                        "process cannot drive a fast server)")
     p.add_argument("--route-header", nargs="?", const=ROUTE_HEADER, default=None, metavar="NAME",
                    help=f"carry the user id in this header (default {ROUTE_HEADER}) for a routing proxy "
                         "(hstu-cluster); gRPC: one stream per user, each worker owns whole users")
@@ -390,12 +533,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --trace FILE, or --user, --items, --actions and --candidates")
 
     result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http,
-                    route_header=a.route_header)
+                    route_header=a.route_header, processes=a.processes)
     if len(trace) == 1 and result.scores:
         print(json.dumps({"scores": result.scores[0].tolist()}))
     print(f"{a.model}: {len(result.scores)}/{len(trace)} ok, {len(result.errors)} errors, "
           f"{result.throughput:.1f} req/s, p50 {result.percentile_ms(50):.1f} ms, "
-          f"p99 {result.percentile_ms(99):.1f} ms (concurrency {a.concurrency})")
+          f"p99 {result.percentile_ms(99):.1f} ms (concurrency {a.concurrency}, processes {a.processes})")
     for i, err in list(result.errors.items())[:5]:
         print(f"  request {i}: {err}", file=sys.stderr)
     code = 0 if result.failure is None else 1  # failed requests, or nothing scored

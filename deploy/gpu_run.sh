@@ -8,7 +8,7 @@
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
 #            128 requests in flight (a user's requests run in order); every score checked at every
-#            concurrency, clean-stop time; $SWEEP_REQUESTS requests, default 512)
+#            concurrency, clean-stop time; $SWEEP_REQUESTS requests, default 512, at $SWEEP_CONCURRENCY)
 #   pooldemo the same demo on a small pool (2,048 pages, about half the trace's working set: host
 #            hits through the onboarding path, every score checked)
 #   bench    hstu-bench's phases $BENCH_PHASES (default: cache device_hit host_hits: device hit / host
@@ -99,7 +99,7 @@ for stage in "${STAGES[@]}"; do
     if [ "$stage" = sweep ]; then
       # The float32 reference runs on the GPU too (on the CPU the large config's took over 5 minutes)
       python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
-        --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency 1 4 8 16 32 64 128 \
+        --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency ${SWEEP_CONCURRENCY:-1 4 8 16 32 64 128} \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
     fi
     if [ "$stage" = pooldemo ]; then

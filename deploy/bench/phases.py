@@ -42,7 +42,7 @@ from deploy.bench.perf_analyzer import run_perf_analyzer
 from deploy.bench.results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
-from deploy.client import RankingClient, ReplayResult, ScoreCheck, replay
+from deploy.client import RankingClient, ReplayResult, ScoreCheck, default_processes, replay
 from deploy.launcher import Server
 from deploy.metrics import Metrics, scrape
 from deploy.runtime.cache_owner import pool_spec
@@ -58,7 +58,7 @@ PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offl
 CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
-COMMIT_WAIT_S = 0.5  # hstu_ranking commits a request's pages just after FINAL; let it land
+OFFLOAD_SETTLE_S = 0.5  # both models offload a request's pages after its answer; let the puts land
 METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
 LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
 HOST_HIT_USERS_PER_REQUEST_IN_FLIGHT = 32  # host_hits' trace: users (one request each) per request in flight
@@ -202,13 +202,13 @@ class Bench:
                         prime = RankingRequest(user, history.item_ids[:-CACHE_NEW_EVENTS],
                                                history.action_ids[:-CACHE_NEW_EVENTS], history.candidate_ids)
                         self._score_settled(clients[model], model, prime)
-                        time.sleep(COMMIT_WAIT_S)
+                        time.sleep(OFFLOAD_SETTLE_S)
                         warm = dataclasses.replace(history, user_id=user)
                         cold = self._history(events)
                         for kind, req in (("device_hit", warm), ("miss", cold))[:: 1 if r % 2 == 0 else -1]:
                             samples[model][kind].append(self._timed(clients[model], model, req))
                         warm_histories[model] = warm
-                    time.sleep(COMMIT_WAIT_S)  # hstu_ranking offloads after FINAL
+                    time.sleep(OFFLOAD_SETTLE_S)  # the offloads of the histories read next
                     for model in MODELS:  # the other model's history: in the store, not in this pool
                         other = warm_histories[MONOLITHIC if model == ENSEMBLE else ENSEMBLE]
                         samples[model]["host_hit"].append(
@@ -332,9 +332,11 @@ class Bench:
     # ---- one request or run -----------------------------------------------------------------
 
     def replay(self, trace: list[RankingRequest], server: Server, model: str, concurrency: int) -> ReplayResult:
-        """`deploy.client.replay`, counting failed requests; a run that scored nothing raises (there is
-        nothing to measure, and its throughput of 0 would read as a result)."""
-        result = replay(trace, server.grpc_url, model=model, concurrency=concurrency)
+        """`deploy.client.replay` (over `default_processes(concurrency)` processes, so that the
+        client is not the limit), counting failed requests; a run that scored nothing raises
+        (there is nothing to measure, and its throughput of 0 would read as a result)."""
+        result = replay(trace, server.grpc_url, model=model, concurrency=concurrency,
+                        processes=default_processes(concurrency))
         self.failed_requests += len(result.errors)
         if not result.scores:
             raise RuntimeError(f"hstu-bench: {model} at concurrency {concurrency} on {server.grpc_url}: "
