@@ -48,7 +48,9 @@ class TritonPythonModel:
         self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size,
                                     before_put=self._register_owner_pool,
                                     on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases),
-                                    tokens_of=lambda history: history_tokens(*history, self.config, checked=True))
+                                    # checked again (off the request's path): a history this process read
+                                    # differently from the owner is never put under the wrong keys
+                                    tokens_of=lambda history: history_tokens(*history, self.config))
         self.worker.start()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OFFLOAD_KEYS + stage_keys("commit"),
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
