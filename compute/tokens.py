@@ -26,7 +26,7 @@ from compute.config import HSTUConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Ids", "check_ids", "check_request", "history_tokens", "history_tokens_many", "ids_as_tensor"]
+__all__ = ["Ids", "check_history", "check_ids", "check_request", "history_tokens", "history_tokens_many", "ids_as_tensor"]
 
 Ids = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -39,7 +39,7 @@ def history_tokens(item_ids: Ids, action_ids: Ids, config: HSTUConfig, checked: 
     ids already (``check_request``), skip doing it again."""
     items = ids_as_tensor(item_ids, "item_ids")
     actions = ids_as_tensor(action_ids, "action_ids")
-    error = None if checked else _check_history(items, actions, config)
+    error = None if checked else check_history(items, actions, config)
     if error is not None:
         raise ValueError(error)
     tokens = torch.stack([items, actions + config.item_vocab], dim=1)  # [n, 2]
@@ -65,7 +65,7 @@ def check_request(item_ids: Ids, action_ids: Ids, candidate_ids: Ids, config: HS
         candidates = ids_as_tensor(candidate_ids, "candidate_ids")
     except ValueError as e:
         return str(e)
-    error = _check_history(items, actions, config)
+    error = check_history(items, actions, config)
     if error is not None:
         return error
     c = candidates.numel()
@@ -113,7 +113,9 @@ def ids_as_tensor(ids: Ids, name: str) -> torch.Tensor:
 # helpers
 
 
-def _check_history(items: torch.Tensor, actions: torch.Tensor, config: HSTUConfig) -> str | None:
+def check_history(items: torch.Tensor, actions: torch.Tensor, config: HSTUConfig) -> str | None:
+    """``None`` when the history ``(items, actions)`` keeps the token contract, else a message
+    naming the field."""
     if items.numel() != actions.numel():
         return (f"action_ids: expected the same length as item_ids ({items.numel()}), "
                 f"got {actions.numel()}")

@@ -257,7 +257,7 @@ class KVCacheManager:
         for hit, lease in zip(hits, leases):
             # An unasked lookup whose lease has no candidates left to onboard ends here.
             if hit.host_unasked and not (isinstance(lease, Lease) and lease.host_unasked):
-                device = lease.num_device_pages if isinstance(lease, Lease) else len(hit.device_pages)
+                device = lease.num_device_pages if isinstance(lease, Lease) else hit.device_tokens // self.page_size
                 self.leases.count(f"lookups_{DEVICE_HIT if device else MISS}")
         return leases
 

@@ -1,31 +1,38 @@
-"""torch custom ops (``torch.ops.kvlifecycle.*``) over a process-local KV-cache manager.
+"""torch custom ops (``torch.ops.kvlifecycle.*``): the KV-cache lifecycle of a batch of users, as
+the serving path calls it (kv_lookup_alloc and kv_offload) and as a graph can trace it.
 
 Why a registry: custom ops take only tensors and scalars, so an op cannot receive the
-``KVCacheManager`` object. Each process registers its manager (and, where it offloads, an
-``Offloader``) once with ``register(...) -> handle`` and passes the int ``handle`` to the ops;
-``_REGISTRY`` below is the one place that maps handles to objects. Handles are process-local:
-never send one to another process.
+``KVCacheManager`` object. Each process registers its manager (and, where it offloads, the
+``OffloadWorker`` that puts the pages) once with ``register(...) -> handle`` and passes the int
+``handle`` to the ops; ``_REGISTRY`` below is the one place that maps handles to objects.
+Handles are process-local: never send one to another process.
 
-Ops, in call order (shapes; ``n`` tokens, ``S`` page size; every tensor is int64 on CPU)::
+Ops, in call order. A batch of ``B`` users is ``user_ids [B]``, the users' token ids
+concatenated ``tokens [T]`` and ``offsets [B+1]`` (user ``b``'s tokens are
+``tokens[offsets[b]:offsets[b+1]]``); every tensor is int64 on CPU::
 
-    hit  = lookup(handle, user_id[1], token_ids[n])                  -> [2] device_tokens, host_tokens
-    meta, page_row = allocate(handle, user_id[1], token_ids[n], hit[2], S, ttl_s)
-                                                                      -> [3] lease_id, cached_len, onboard_pages
-                                                                         [ceil(n / S)] page ids
-    task = onboard_launch(handle, meta[3])                            -> [1] store task id, -1 if none
-    meta = onboard_wait(handle, meta[3], task[1], timeout_s)          -> [3] cached_len may shrink
+    hits = lookup(handle, user_ids, tokens, offsets)                      -> [B, 2]
+        device_tokens (committed pages on the device), host_tokens (the full pages after them:
+        candidates for the host store, asked at the onboard's launch; 0 without a store)
+    leases, page_rows = allocate(handle, user_ids, tokens, offsets, hits, ttl_s)
+        -> [B, 3] lease_id (-1: the pool cannot hold the request now), cached_len, onboard_pages
+           [B, max_pages] each lease's page row, -1 past its end
+    leases = onboard_launch(handle, leases)                               -> [B, 3]
+        the same columns once each onboard has started (the store is asked on the owner's control
+        thread); onboard_pages > 0: those pages are being copied, not settled yet; lease_id -1:
+        the lease ended meanwhile
     ... compute ...
-    pages = offload_launch(handle, meta[3], token_ids[n])             -> [1] pages whose put was launched
-    reaped = offload_reap(handle, timeout_s)                          -> [1] puts reaped (0 s: no blocking)
+    pages = offload_launch(handle, lease_ids [B], tokens, offsets)        -> [B]
+        commits each lease (one round trip for the batch through the registered manager: the
+        owner's ``KVCacheManager``, or a ``ControlClient`` to it) and hands the pages it pinned for
+        offload to the registered ``OffloadWorker``, which puts them off the caller's path;
+        the pages handed over per lease
 
-``offload_launch`` commits the lease (through the registered manager: a ``KVCacheManager`` in
-the owner, a ``ControlClient`` elsewhere) and submits the put through the registered
-``Offloader``; without one the pages are reported not offloaded at once. ``allocate`` raises
-``PoolExhausted`` like ``KVCacheManager.allocate``.
-
-The ops are the single-request lifecycle as a traceable graph; the Triton models do not use
-them (kv_lookup_alloc serves whole batches through ``KVCacheManager.*_many``). A lookup's keys
-cannot cross an op boundary (tensors only), so ``allocate`` hashes the chain again here.
+Each op is one ``*_many`` call of the manager for the whole batch: the same table lock, store
+round trip and control round trip per batch as direct calls. What the tensors cannot carry
+(a lookup's page keys, a lease's namespace) the manager keeps: ``allocate`` takes the keys from
+``PrefixKeys``, which the lookup just filled (no page is hashed twice), and the lease keeps its
+namespace.
 
 Every op has a fake (meta) implementation, so ``torch.export`` traces graphs that call them.
 The ops have side effects but are declared functional (``mutates_args=()``): a traced graph
@@ -43,19 +50,18 @@ from typing import Any
 
 import torch
 
+from kvlifecycle.leases import Lease
 from kvlifecycle.manager import LookupResult
-from kvlifecycle.offload_worker import Offloader
-from kvlifecycle.hashing import page_keys, tokens_as_int64
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Registered", "register", "unregister", "registered"]
+__all__ = ["Registered", "register", "unregister", "registered", "split_tokens"]
 
 
 @dataclass(frozen=True)
 class Registered:
-    manager: Any  # KVCacheManager, or anything with commit/offload_done (ControlClient)
-    offloader: Offloader | None = None
+    manager: Any  # KVCacheManager in the owner, a ControlClient to it elsewhere (offload_launch only)
+    offloader: Any = None  # OffloadWorker: commit(lease_ids) and submit(puts); None: nothing is put
 
 
 _REGISTRY: dict[int, Registered] = {}
@@ -63,7 +69,7 @@ _REGISTRY_LOCK = threading.Lock()
 _HANDLES = itertools.count(1)
 
 
-def register(manager: Any, offloader: Offloader | None = None) -> int:
+def register(manager: Any, offloader: Any = None) -> int:
     """Make ``manager`` (and ``offloader``) reachable from the ops by the returned handle."""
     with _REGISTRY_LOCK:
         handle = next(_HANDLES)
@@ -84,70 +90,59 @@ def registered(handle: int) -> Registered:
     return entry
 
 
+def split_tokens(tokens: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
+    """User ``b``'s tokens, ``tokens[offsets[b]:offsets[b+1]]``, for each user."""
+    bounds = offsets.tolist()
+    return [tokens[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
+
+
 @torch.library.custom_op("kvlifecycle::lookup", mutates_args=())
-def lookup(handle: int, user_id: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def lookup(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     mgr = registered(handle).manager
-    hit = mgr.lookup(int(user_id.reshape(-1)[0]), token_ids)
-    return torch.tensor([hit.device_tokens, hit.host_tokens], dtype=torch.int64)
+    hits = mgr.lookup_many(list(zip(user_ids.tolist(), split_tokens(tokens, offsets))), ask_store=False)
+    return torch.tensor([[hit.device_tokens, hit.host_tokens] for hit in hits], dtype=torch.int64).reshape(-1, 2)
 
 
 @torch.library.custom_op("kvlifecycle::allocate", mutates_args=())
-def allocate(handle: int, user_id: torch.Tensor, token_ids: torch.Tensor, hit: torch.Tensor,
-             page_size: int, ttl_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+def allocate(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+             hits: torch.Tensor, ttl_s: float) -> tuple[torch.Tensor, torch.Tensor]:
     mgr = registered(handle).manager
-    assert page_size == mgr.page_size, (
-        f"kvlifecycle::allocate: expected page_size {mgr.page_size} (the manager's), got {page_size}"
-    )
-    uid = int(user_id.reshape(-1)[0])
-    tokens = tokens_as_int64(token_ids)
-    device_tokens, host_tokens = (int(v) for v in hit.tolist())
-    result = LookupResult(
-        user_id=uid,
-        namespace=mgr.namespace,
-        tokens=tokens,
-        keys=tuple(page_keys(tokens, mgr.namespace, page_size)),
-        device_tokens=device_tokens,
-        host_tokens=host_tokens,
-        device_pages=(),
-    )
-    alloc = mgr.allocate(uid, tokens, result, ttl_s=ttl_s)
-    meta = torch.tensor([alloc.lease_id, alloc.cached_len, alloc.num_onboard_pages], dtype=torch.int64)
-    return meta, torch.tensor(alloc.page_row, dtype=torch.int64)
+    results = []
+    for user_id, user_tokens, (device_tokens, host_tokens) in zip(user_ids.tolist(), split_tokens(tokens, offsets),
+                                                                  hits.tolist()):
+        array = user_tokens.numpy()
+        results.append(LookupResult(
+            user_id=user_id, namespace=mgr.namespace, tokens=array,
+            keys=tuple(mgr.keys.keys(user_id, array, mgr.namespace)),  # PrefixKeys: the lookup's keys, not hashed again
+            device_tokens=device_tokens, host_tokens=host_tokens,
+            device_pages=(), host_unasked=host_tokens > 0))
+    return _lease_tensors(mgr.allocate_many(results, ttl_s=ttl_s), copying_only=False)
 
 
 @torch.library.custom_op("kvlifecycle::onboard_launch", mutates_args=())
-def onboard_launch(handle: int, meta: torch.Tensor) -> torch.Tensor:
+def onboard_launch(handle: int, leases: torch.Tensor) -> torch.Tensor:
     mgr = registered(handle).manager
-    task = mgr.onboard_launch(int(meta[0]))
-    return torch.tensor([-1 if task is None else int(task)], dtype=torch.int64)
-
-
-@torch.library.custom_op("kvlifecycle::onboard_wait", mutates_args=())
-def onboard_wait(handle: int, meta: torch.Tensor, task: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    mgr = registered(handle).manager
-    task_id = int(task[0])
-    alloc = mgr.onboard_wait(int(meta[0]), None if task_id < 0 else task_id, timeout_s)
-    return torch.tensor([alloc.lease_id, alloc.cached_len, alloc.num_onboard_pages], dtype=torch.int64)
+    lease_ids = leases[:, 0].tolist()
+    started = mgr.onboard_start_many([mgr.leases.get_lease(i) if i >= 0 else None for i in lease_ids])
+    return _lease_tensors(started, copying_only=True)[0]
 
 
 @torch.library.custom_op("kvlifecycle::offload_launch", mutates_args=())
-def offload_launch(handle: int, meta: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def offload_launch(handle: int, lease_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     entry = registered(handle)
-    committed = entry.manager.commit_many([int(meta[0])])[0]
-    if committed.items and entry.offloader is None:
-        entry.manager.offload_done([it.page_id for it in committed.items], False)
-    elif committed.items:
-        entry.offloader.launch(committed.namespace, token_ids, committed.items)
-    return torch.tensor([len(committed.items)], dtype=torch.int64)
-
-
-@torch.library.custom_op("kvlifecycle::offload_reap", mutates_args=())
-def offload_reap(handle: int, timeout_s: float) -> torch.Tensor:
-    offloader = registered(handle).offloader
-    if offloader is None:
-        return torch.zeros(1, dtype=torch.int64)
-    reaped = offloader.reap() if timeout_s <= 0 else offloader.flush(timeout_s)
-    return torch.tensor([reaped], dtype=torch.int64)
+    ids = lease_ids.tolist()
+    if entry.offloader is not None:
+        committed = entry.offloader.commit(ids)
+    else:
+        committed = entry.manager.commit_many(ids)
+    puts = [(c.namespace, user_tokens.clone(), c.items)
+            for c, user_tokens in zip(committed, split_tokens(tokens, offsets)) if c.items]
+    if entry.offloader is not None:
+        entry.offloader.submit(puts)
+    else:  # nothing puts them: unpin now
+        for _, _, items in puts:
+            entry.manager.offload_done([it.page_id for it in items], False)
+    return torch.tensor([len(c.items) for c in committed], dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,32 +150,42 @@ def offload_reap(handle: int, timeout_s: float) -> torch.Tensor:
 
 
 @lookup.register_fake
-def _lookup_fake(handle: int, user_id: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    return token_ids.new_empty((2,), dtype=torch.int64)
+def _lookup_fake(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return user_ids.new_empty((user_ids.shape[0], 2))
 
 
 @allocate.register_fake
-def _allocate_fake(handle: int, user_id: torch.Tensor, token_ids: torch.Tensor, hit: torch.Tensor,
-                   page_size: int, ttl_s: float) -> tuple[torch.Tensor, torch.Tensor]:
-    num_pages = (token_ids.shape[0] + page_size - 1) // page_size
-    return token_ids.new_empty((3,), dtype=torch.int64), token_ids.new_empty((num_pages,), dtype=torch.int64)
+def _allocate_fake(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor,
+                   hits: torch.Tensor, ttl_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    max_pages = torch.library.get_ctx().new_dynamic_size()  # the longest row: data-dependent
+    return user_ids.new_empty((user_ids.shape[0], 3)), user_ids.new_empty((user_ids.shape[0], max_pages))
 
 
 @onboard_launch.register_fake
-def _onboard_launch_fake(handle: int, meta: torch.Tensor) -> torch.Tensor:
-    return meta.new_empty((1,))
-
-
-@onboard_wait.register_fake
-def _onboard_wait_fake(handle: int, meta: torch.Tensor, task: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    return meta.new_empty((3,))
+def _onboard_launch_fake(handle: int, leases: torch.Tensor) -> torch.Tensor:
+    return leases.new_empty(leases.shape)
 
 
 @offload_launch.register_fake
-def _offload_launch_fake(handle: int, meta: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    return meta.new_empty((1,))
+def _offload_launch_fake(handle: int, lease_ids: torch.Tensor, tokens: torch.Tensor,
+                         offsets: torch.Tensor) -> torch.Tensor:
+    return lease_ids.new_empty(lease_ids.shape)
 
 
-@offload_reap.register_fake
-def _offload_reap_fake(handle: int, timeout_s: float) -> torch.Tensor:
-    return torch.empty((1,), dtype=torch.int64)
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _lease_tensors(leases: list, copying_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, 3]`` (lease_id, cached_len, onboard pages: reserved, or with ``copying_only`` those
+    still being copied) and ``[B, max_pages]`` page rows (-1 past each row) of a batch's leases;
+    a request without a lease (``PoolExhausted``, ``LeaseGone``, None) is lease_id -1."""
+    meta = torch.full((len(leases), 3), -1, dtype=torch.int64)
+    rows = [lease.page_row if isinstance(lease, Lease) else () for lease in leases]
+    page_rows = torch.full((len(leases), max((len(r) for r in rows), default=0)), -1, dtype=torch.int64)
+    for b, (lease, row) in enumerate(zip(leases, rows)):
+        if isinstance(lease, Lease):
+            meta[b] = torch.tensor([lease.lease_id, lease.cached_len,
+                                    lease.num_onboard_pages if lease.onboarding or not copying_only else 0])
+            page_rows[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return meta, page_rows

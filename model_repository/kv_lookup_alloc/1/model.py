@@ -7,8 +7,9 @@ kv_offload (commits, offload completions) and hstu_compute (onboard outcomes, ab
 Dynamic batching hands `execute` every queued request, and each fixed cost is paid once per
 batch: the id ranges of the whole batch are checked in one pass, the history tokens made in one
 pass, and the batch goes through the cache together (`KVCacheManager.lookup_many`,
-`allocate_many`, `onboard_start_many`: one table lock per step), each request hashing only the
-pages its history added (`PrefixKeys`). A request with pages beyond its device prefix
+`allocate_many`, `onboard_start_many`, called through the custom ops `torch.ops.kvlifecycle.*`
+of `kvlifecycle/ops.py`: one table lock per step), each request hashing only the pages its
+history added (`PrefixKeys`). A request with pages beyond its device prefix
 (`min_host_pages` or more) is answered at once with them as onboard pages (`onboard_len`),
 without asking the host store here: the control plane's thread asks it (one round trip: copy the
 ones you hold) and settles each copy when the store reports it done, or as a timeout; pages not
@@ -39,8 +40,7 @@ from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, 
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
-from kvlifecycle.leases import Lease
-from kvlifecycle.page_table import PoolExhausted
+from kvlifecycle import ops
 
 logger = logging.getLogger("kv_lookup_alloc")
 
@@ -62,6 +62,8 @@ class TritonPythonModel:
         published.publish(self.settings.pool_handle_path, self.cache.handle)
         self.compute_version = published.compute_version_file(self.settings)
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
+        self.ops = torch.ops.kvlifecycle  # the serving path: lookup, allocate, onboard_launch of a batch
+        self.ops_handle = ops.register(self.cache.manager)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
                                  OWNER_KEYS + stage_keys("lookup", "allocate", "onboard_launch"),
@@ -89,6 +91,7 @@ class TritonPythonModel:
         return [reply.response for reply in replies]
 
     def finalize(self):
+        ops.unregister(self.ops_handle)
         self.metrics.close()
         self.control.close()
         self.cache.close()
@@ -130,46 +133,57 @@ class TritonPythonModel:
                     item.reply.answer(error_response(f"kv_lookup_alloc: internal error: {e}"))
 
     def _serve(self, batch: list["OwnerRequest"]) -> None:
-        """Lookup, allocate and launch the onboards of the whole batch, and answer each request."""
+        """Lookup, allocate and launch the onboards of the whole batch through the custom ops (one
+        manager call per step for the batch: `kvlifecycle.ops`), and answer each request."""
         if not batch:
             return
         manager = self.cache.manager
         started = time.perf_counter()
+        user_ids = torch.tensor([item.inputs.user_id for item in batch], dtype=torch.int64)
+        tokens = torch.cat([item.tokens for item in batch])
+        offsets = torch.tensor([0] + [item.tokens.numel() for item in batch], dtype=torch.int64).cumsum(0)
         # The store is not asked here: the control plane's thread asks it about each onboard started.
-        hits = manager.lookup_many([(item.inputs.user_id, item.tokens) for item in batch], ask_store=False)
-        n = len(batch)
+        hits = self.ops.lookup(self.ops_handle, user_ids, tokens, offsets)
         looked_up = time.perf_counter()
-        leases = manager.allocate_many(hits, ttl_s=self.settings.lease_ttl_s)
+        leases, page_rows = self.ops.allocate(self.ops_handle, user_ids, tokens, offsets, hits, self.settings.lease_ttl_s)
         allocated = time.perf_counter()
         try:
-            leases = manager.onboard_start_many(leases)  # settled within settings.timeouts.onboard_wait_s
-            if any(isinstance(lease, Lease) and lease.onboarding for lease in leases):
+            launched_leases = self.ops.onboard_launch(self.ops_handle, leases)  # settled within the onboard wait
+            if bool((launched_leases[:, 2] > 0).any()):
                 self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
-            responses = [self._response(item, lease) for item, lease in zip(batch, leases)]
+            responses = [self._response(item, lease, allocated_lease, row) for item, lease, allocated_lease, row
+                         in zip(batch, launched_leases.tolist(), leases[:, 0].tolist(), page_rows)]
         except Exception:
-            for lease in leases:  # the caller serves them again: their pages return now, not at expiry
-                if isinstance(lease, Lease):
-                    manager.abort(lease.lease_id)
+            for lease_id in leases[:, 0].tolist():  # the caller serves them again: their pages return now
+                if lease_id >= 0:
+                    manager.abort(lease_id)
             raise
         for item, response in zip(batch, responses):
             item.reply.answer(response)
         # Every request of the batch spent the whole of each step in it.
+        n = len(batch)
         self.stages.add("lookup", looked_up - started, n)
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard_launch", launched - allocated, n)
 
-    def _response(self, item: "OwnerRequest", lease):
-        if isinstance(lease, PoolExhausted):
-            return error_response(f"KV page pool exhausted, retry later: {lease}")
-        if not isinstance(lease, Lease):  # LeaseGone: aborted during its onboard's launch
-            return error_response(f"kv_lookup_alloc: internal error: {lease}")
-        r, tokens = item.inputs, item.tokens
-        cached_len = lease.cached_len  # a refused onboard only shrank cached_len
-        onboard_len = lease.num_onboard_pages * lease.page_size if lease.onboarding else 0
-        plan = ComputePlan(new_tokens=tokens[cached_len - onboard_len:], cached_len=cached_len, onboard_len=onboard_len,
-                           page_row=torch.as_tensor(lease.page_row, dtype=torch.int64), candidates=r.candidate_ids,
-                           namespace_tag=namespace_tag(lease.namespace), lease_id=lease.lease_id)
+    def _response(self, item: "OwnerRequest", lease: list[int], allocated_lease_id: int, page_row: torch.Tensor):
+        """The request's plan; `lease` is its (lease_id, cached_len, onboard pages being copied) row."""
+        lease_id, cached_len, copying = lease
+        if allocated_lease_id < 0:
+            stats = self.cache.manager.stats()
+            return error_response(f"KV page pool exhausted, retry later: {item.tokens.numel()} tokens of user "
+                                  f"{item.inputs.user_id} do not fit now ({stats['pages_free']} of "
+                                  f"{stats['pages_total']} pages free, {stats['pages_pinned']} pinned, "
+                                  f"{stats['pages_leased']} leased)")
+        if lease_id < 0:  # its lease ended during its onboard's launch (aborted, or no fresh pages)
+            return error_response(f"kv_lookup_alloc: lease {allocated_lease_id} ended while its onboard started; "
+                                  "retry the request")
+        page_size = self.cache.pool.spec.page_size
+        onboard_len = copying * page_size  # a refused onboard only shrank cached_len
+        plan = ComputePlan(new_tokens=item.tokens[cached_len - onboard_len:], cached_len=cached_len,
+                           onboard_len=onboard_len, page_row=page_row[page_row >= 0], candidates=item.inputs.candidate_ids,
+                           namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id)
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
 
 

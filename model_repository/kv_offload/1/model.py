@@ -1,12 +1,13 @@
 """kv_offload: commit the batch, answer, and offload off the request's critical path.
 
 Dynamic batching hands `execute` every queued request. It reads each one's lease id (one value
-of kv_lookup_alloc's plan), commits every lease of the batch with the owner (kv_lookup_alloc) in
-one control round trip, and answers with the scores. Committing before answering is what lets
-the owner never wait: once a client has its answer, its next request finds these pages on the
-device. The pages to put go to the background `OffloadWorker` with the history of the requests
-that have any (`input_tensor` copies it: the request's buffers end with `execute`), which makes
-their token ids, puts them into the host store and reaps finished puts, after the answer.
+of kv_lookup_alloc's plan) and history, checks the histories' ids in one pass, and calls the
+custom op `torch.ops.kvlifecycle.offload_launch` (`kvlifecycle/ops.py`) for the batch: it commits
+every lease with the owner (kv_lookup_alloc) in one control round trip and hands the pages it
+pinned, with their token ids, to the background `OffloadWorker`; then `execute` answers with the
+scores. Committing before answering is what lets the owner never wait: once a client has its
+answer, its next request finds these pages on the device. The worker puts the pages into the
+host store and reaps finished puts, after the answer.
 `finalize` (model unload, server stop) flushes: it waits for every pending offload before
 returning.
 """
@@ -16,7 +17,8 @@ import time
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute import HSTUConfig, history_tokens
+from compute import HSTUConfig, history_tokens_many
+from compute.tokens import check_history
 from deploy.runtime import published
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
@@ -24,6 +26,7 @@ from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, input_view, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
+from kvlifecycle import ops
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
 
@@ -47,34 +50,52 @@ class TritonPythonModel:
         self.stages = StageTimer()
         self.worker = OffloadWorker(self.control, self.store, page_bytes=spec.page_bytes, page_size=spec.page_size,
                                     before_put=self._register_owner_pool,
-                                    on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases),
-                                    # checked again (off the request's path): a history this process read
-                                    # differently from the owner is never put under the wrong keys
-                                    tokens_of=lambda history: history_tokens(*history, self.config))
+                                    on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases))
         self.worker.start()
+        self.ops = torch.ops.kvlifecycle
+        self.ops_handle = ops.register(self.control, self.worker)  # offload_launch: commit, then put on the worker
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OFFLOAD_KEYS + stage_keys("commit"),
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
         responses: list = [None] * len(requests)
-        lease_ids, answered = [], []  # per request read: its lease id, its index
+        lease_ids, histories = [], []  # of the requests read
         for i, request in enumerate(requests):
             try:
                 scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
                 lease_ids.append(ComputePlan.lease_id_of(input_view(request, "compute_plan")))
+                histories.append(tuple(input_tensor(request, name).reshape(-1) for name in ("item_ids", "action_ids")))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 responses[i] = error_response(f"kv_offload: {e}")
                 continue
             responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)])
-            answered.append(i)
-        puts = []
-        for i, committed in zip(answered, self.worker.commit(lease_ids)):
-            if committed.items:  # the history only of the requests with pages to put
-                history = tuple(input_tensor(requests[i], name).reshape(-1) for name in ("item_ids", "action_ids"))
-                puts.append((committed.namespace, history, committed.items))
-        self.worker.submit(puts)  # returns at once; the worker thread offloads
+        if lease_ids:
+            tokens = history_tokens_many(self._checked(histories), self.config)
+            offsets = torch.tensor([0] + [t.numel() for t in tokens], dtype=torch.int64).cumsum(0)
+            # commits the batch (one control round trip) before the answers; the puts run on the worker
+            self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64), torch.cat(tokens),
+                                    offsets)
         return responses
+
+    def _checked(self, histories: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The histories, each emptied if its ids break the token contract (one range pass over the
+        batch; a request's own check only when that pass fails): its lease is still committed, but
+        a history this process read differently from the owner is never put under its keys."""
+        items = torch.cat([h[0] for h in histories])
+        actions = torch.cat([h[1] for h in histories])
+        if (all(h[0].numel() == h[1].numel() for h in histories) and items.numel()
+                and int(items.min()) >= 1 and int(items.max()) < self.config.item_vocab
+                and int(actions.min()) >= 0 and int(actions.max()) < self.config.action_vocab):
+            return histories
+        checked = []
+        for history in histories:
+            problem = check_history(*history, self.config)
+            if problem is not None:
+                logger.error("kv_offload: a request's history arrived with %s; its pages are not offloaded", problem)
+                history = history[0][:0], history[1][:0]
+            checked.append(history)
+        return checked
 
     def _register_owner_pool(self):
         """Name kv_lookup_alloc's pool (again when it re-created it) to the store client: the
@@ -92,6 +113,7 @@ class TritonPythonModel:
 
     def finalize(self):
         started = time.monotonic()
+        ops.unregister(self.ops_handle)
         left = self.worker.stop(flush_timeout_s=FLUSH_TIMEOUT_S)
         if left:
             logger.warning("kv_offload: %d offloads still pending after %.0fs; their pages were not offloaded",
