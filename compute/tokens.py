@@ -26,7 +26,8 @@ from compute.config import HSTUConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Ids", "check_history", "check_ids", "check_request", "history_tokens", "history_tokens_many", "ids_as_tensor"]
+__all__ = ["Ids", "check_history", "check_ids", "check_request", "history_tokens", "history_tokens_many", "ids_as_tensor",
+           "looks_corrupted_in_transit"]
 
 Ids = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -72,6 +73,26 @@ def check_request(item_ids: Ids, action_ids: Ids, candidate_ids: Ids, config: HS
     if not 1 <= c <= config.max_candidates:
         return f"candidate_ids: expected 1..{config.max_candidates} candidates, got {c}"
     return check_ids("candidate_ids", candidates, 1, config.item_vocab)
+
+
+def looks_corrupted_in_transit(item_ids: torch.Tensor, action_ids: torch.Tensor, candidate_ids: torch.Tensor,
+                               config: HSTUConfig) -> bool:
+    """Whether a request ``check_request`` refused has only bad ids that are valid ids with their
+    upper 32-bit word set to 1 or to all ones: what tritonserver 2.51's Python backend does to a
+    batched model's input about once in 50,000 requests (docs/ARCHITECTURE.md, "Batching on
+    tritonserver 2.51"). No client sends such ids by mistake: the server answers it as a
+    retryable error, so the client resends it."""
+    found = False
+    for ids, low, high in ((item_ids, 1, config.item_vocab), (action_ids, 0, config.action_vocab),
+                           (candidate_ids, 1, config.item_vocab)):
+        bad = ids[(ids < low) | (ids >= high)]
+        if bad.numel() == 0:
+            continue
+        upper, lower = bad >> 32, bad & 0xFFFFFFFF
+        if not bool((((upper == 1) | (upper == -1)) & (lower >= low) & (lower < high)).all()):
+            return False
+        found = True
+    return found
 
 
 def check_ids(name: str, ids: torch.Tensor, low: int, high: int) -> str | None:

@@ -11,13 +11,22 @@ from dataclasses import dataclass
 import torch
 import triton_python_backend_utils as pb_utils
 
+from compute.tokens import check_request, looks_corrupted_in_transit  # the one place that knows the id rules
 from deploy.runtime.schema import RETRYABLE
 
 logger = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
-    """A request the client must fix; it becomes an error response and changes no state."""
+    """A request the client must fix; it becomes an error response and changes no state.
+    `retryable`: the ids look corrupted in transit (`compute.tokens.looks_corrupted_in_transit`)."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+    def response(self) -> "pb_utils.InferenceResponse":
+        return error_response(str(self), retryable=self.retryable)
 
 
 def input_tensor(request, name: str) -> torch.Tensor:
@@ -77,8 +86,6 @@ def read_ranking_batch(requests: list, config) -> list["RankingInputs | BadReque
     one pass (one min/max per field over the batch's ids); a request's exact message is looked
     for only when that pass finds a bad id. Per request: its inputs, or the BadRequest naming
     the field to fix."""
-    from compute.tokens import check_request  # the one place that knows the rules
-
     out: list[RankingInputs | BadRequest] = []
     for request in requests:
         try:
@@ -98,7 +105,7 @@ def read_ranking_batch(requests: list, config) -> list["RankingInputs | BadReque
             out.append(e)
     good = [r for r in out if isinstance(r, RankingInputs)]
     if good and not _ids_in_range(good, config):
-        out = [r if not isinstance(r, RankingInputs) else _checked(r, check_request, config) for r in out]
+        out = [r if not isinstance(r, RankingInputs) else _checked(r, config) for r in out]
     return out
 
 
@@ -113,6 +120,11 @@ def _ids_in_range(batch: list[RankingInputs], config) -> bool:
     return True
 
 
-def _checked(r: RankingInputs, check_request, config) -> "RankingInputs | BadRequest":
+def _checked(r: RankingInputs, config) -> "RankingInputs | BadRequest":
     problem = check_request(r.item_ids, r.action_ids, r.candidate_ids, config)
-    return r if problem is None else BadRequest(problem)
+    if problem is None:
+        return r
+    if looks_corrupted_in_transit(r.item_ids, r.action_ids, r.candidate_ids, config):
+        return BadRequest(f"{problem}: an id in range with its upper 32 bits set, as tritonserver 2.51's Python "
+                          "backend corrupts a batched input now and then; resend the request", retryable=True)
+    return BadRequest(problem)

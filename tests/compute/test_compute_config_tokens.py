@@ -77,3 +77,23 @@ def test_bad_requests_name_the_field(items, actions, cands, field):
 def test_good_request_passes():
     assert check_request(np.arange(1, 2049, dtype=I64), np.zeros(2048, I64), np.ones(256, I64), C) is None
     assert check_request([], [], [1], C) is None
+
+
+def test_an_id_with_its_upper_word_set_looks_corrupted_in_transit_and_other_bad_ids_do_not() -> None:
+    """tritonserver 2.51's Python backend sets the upper 32-bit word of a batched input's id to 1
+    or all ones now and then; such a request is answered retryable (docs/ARCHITECTURE.md)."""
+    from compute.tokens import looks_corrupted_in_transit
+
+    config = HSTUConfig()
+    items, actions, cands = torch.arange(1, 50), torch.zeros(49, dtype=torch.int64), torch.arange(1, 5)
+    corrupted = items.clone()
+    corrupted[34] += 2**32
+    assert looks_corrupted_in_transit(corrupted, actions, cands, config)
+    minus = actions.clone()
+    minus[6] -= 2**32  # 0 with its upper word all ones
+    assert looks_corrupted_in_transit(items, minus, cands, config)
+    for bad in (config.item_vocab, -1, 2**40 + 5, 2**32 + config.item_vocab):  # a client's mistakes
+        wrong = items.clone()
+        wrong[3] = bad
+        assert not looks_corrupted_in_transit(wrong, actions, cands, config), bad
+    assert not looks_corrupted_in_transit(items, actions, cands, config)  # nothing bad at all

@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                   "concurrency": a.concurrency,
                   "seconds": seconds, "requests": load.count + len(load.errors),
                   "failed": len(load.errors), "failures": [e[:300] for e in load.errors[:5]],
+                  # answered with a retryable error and resent: an input corrupted in transit
+                  "retried": load.retried,
                   "scores_checked": len(load.served), "scores_wrong": len(wrong), "wrong": wrong[:5],
                   "tritonserver_died": crashed}
         if crashed:

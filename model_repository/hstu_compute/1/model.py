@@ -49,6 +49,7 @@ from compute.batch import CALL_CELLS
 from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
 from deploy.runtime import published
+from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
@@ -97,8 +98,8 @@ class TritonPythonModel:
             ready, onboarding = [], []
             for p, request in zip(pending, requests):
                 plan = self._parse(request)
-                if isinstance(plan, str):
-                    p.answer(error_response(plan))
+                if isinstance(plan, str):  # the owner wrote it: a transport fault, not the client's
+                    p.answer(error_response(plan, retryable=True))
                 elif plan.namespace_tag != self.namespace_tag:
                     self._abort(plan.lease_id)
                     p.answer(error_response(
@@ -251,11 +252,13 @@ class TritonPythonModel:
         except Exception as e:
             logger.error("hstu_compute failed on lease %d", item.lease_id, exc_info=True)
             self._abort(item.lease_id)  # its pages return now, not at lease expiry
-            return error_response(f"hstu_compute: {e}")
+            # A plan that does not fit the pool or the model (ValueError from its checks) arrived
+            # other than the owner wrote it (it validated the request): resending it is right.
+            return error_response(f"hstu_compute: {e}", retryable=isinstance(e, ValueError))
 
     def _response(self, scores: torch.Tensor):
         return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("candidate_scores", scores.unsqueeze(0)),  # [1, c, num_tasks]
+            output_tensor("candidate_scores", sealed_scores.seal(scores).unsqueeze(0)),  # [1, c + 1, num_tasks]
         ])
 
     def _abort(self, lease_id: int) -> None:

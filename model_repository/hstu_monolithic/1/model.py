@@ -56,7 +56,7 @@ class TritonPythonModel:
                 self.offloader.launch(hit.namespace, tokens, items)
                 self.offloader.flush(OFFLOAD_WAIT_S)  # wait + reap, on the critical path
         except BadRequest as e:
-            return error_response(str(e))
+            return e.response()
         except PoolExhausted as e:
             return error_response(f"KV page pool exhausted, retry later: {e}")
         except Exception as e:

@@ -80,7 +80,7 @@ class TritonPythonModel:
             valid = [(reply, r) for reply, r in zip(replies, inputs) if not isinstance(r, BadRequest)]
             for reply, r in zip(replies, inputs):
                 if isinstance(r, BadRequest):
-                    reply.answer(error_response(str(r)))
+                    reply.answer(r.response())
             tokens = history_tokens_many([(r.item_ids, r.action_ids) for _, r in valid], self.config)
             batch = [OwnerRequest(reply, r, t) for (reply, r), t in zip(valid, tokens)]
         except Exception as e:  # a bug must fail this batch's requests, not the instance

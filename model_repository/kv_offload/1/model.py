@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from compute import HSTUConfig, history_tokens_many
 from compute.tokens import check_history
 from deploy.runtime import published
+from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
@@ -62,14 +63,19 @@ class TritonPythonModel:
         lease_ids, histories = [], []  # of the requests read
         for i, request in enumerate(requests):
             try:
-                scores = input_tensor(request, "candidate_scores")  # [1, c, num_tasks]
+                scores = sealed_scores.unseal(input_tensor(request, "candidate_scores")[0])  # [c, num_tasks]
                 lease_ids.append(ComputePlan.lease_id_of(input_view(request, "compute_plan")))
                 histories.append(tuple(input_tensor(request, name).reshape(-1) for name in ("item_ids", "action_ids")))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 responses[i] = error_response(f"kv_offload: {e}")
                 continue
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores)])
+            if scores is None:  # changed in transit (its lease is still committed: the KV is right)
+                logger.error("kv_offload: a request's scores do not match their checksum; answered retryable")
+                responses[i] = error_response("kv_offload: the scores changed in transit between hstu_compute "
+                                              "and kv_offload; resend the request", retryable=True)
+            else:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores.unsqueeze(0))])
         if lease_ids:
             tokens = history_tokens_many(self._checked(histories), self.config)
             offsets = torch.tensor([0] + [t.numel() for t in tokens], dtype=torch.int64).cumsum(0)
