@@ -43,6 +43,8 @@ class ComputePlan(NamedTuple):
         cached_len, onboard_len, tag, lease_id, n, p = flat[:HEADER].tolist()
         if n < 0 or p < 0 or HEADER + n + p > flat.numel():
             raise ValueError(f"compute_plan: {n} new tokens and {p} pages do not fit in {flat.numel()} values")
+        if not 0 <= onboard_len <= cached_len:  # the owner writes onboard_len <= cached_len, both >= 0
+            raise ValueError(f"compute_plan: onboard_len {onboard_len} outside [0, cached_len {cached_len}]")
         body = flat[HEADER:]
         return cls(new_tokens=body[:n], cached_len=cached_len, onboard_len=onboard_len, page_row=body[n:n + p],
                    candidates=body[n + p:], namespace_tag=tag, lease_id=lease_id)

@@ -145,7 +145,8 @@ class TritonPythonModel:
             jobs, stop = drain(self._forwards, self._forwards.get())
             items = [p for job_items, _ in jobs for p in job_items]
             try:
-                self._compute(items)
+                if items:  # on STOP alone, touch nothing: the owner may have unpublished its pool
+                    self._compute(items)
             except Exception as e:  # a bug: these requests fail, the thread goes on
                 logger.error("hstu_compute failed on a batch of %d", len(items), exc_info=True)
                 for p in items:
