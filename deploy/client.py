@@ -1,11 +1,14 @@
-"""Clients of `hstu_ranking` (and `hstu_monolithic`): gRPC streaming and HTTP `/generate`.
+"""Clients of `hstu_ranking` (and `hstu_monolithic`): unary gRPC, gRPC streams and HTTP `/generate`.
 
-These clients use a gRPC bidirectional stream and HTTP `/v2/models/<m>/generate`; the ensemble
-also answers plain HTTP `/infer` and unary gRPC (no step of it is decoupled).
+    client = RankingClient("127.0.0.1:8001")                # unary gRPC (ModelInfer), the default
+    scores = client.score(request)                           # np.ndarray [c, num_tasks]
+    client = RankingClient("127.0.0.1:8001", stream=True)   # a gRPC bidirectional stream
+    client = RankingClient("127.0.0.1:8000", http=True)     # HTTP /generate
 
-    client = RankingClient("127.0.0.1:8001")            # gRPC stream
-    scores = client.score(request)                       # np.ndarray [c, num_tasks]
-    client = RankingClient("127.0.0.1:8000", http=True)  # HTTP /generate
+Unary by default: tritonserver 2.51 corrupts the inputs of a Python model that takes several
+requests per execute, and crashes now and then, when those requests arrive on gRPC streams;
+with unary calls it did not (docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"). The
+ensemble's steps batch, so streams are for a server rendered with `--lifecycle-max-batch-size 1`.
 
 `replay(trace, ...)` is the load generator: a closed loop of `concurrency` clients, each with
 its own stream, taking the trace's requests in order. Every request of the trace ends up either
@@ -15,8 +18,8 @@ such a run, and on one that scored nothing, instead of reporting a max diff over
 
 Routing by user (`route_header="x-user-id"`, `hstu-client --route-header`): every request
 carries its user id in that header, so a proxy with consistent hashing on it (`hstu-cluster`'s
-nginx) sends a user to the server that caches the user's KV. HTTP sets the header per request.
-A gRPC stream's headers are fixed when the stream opens, and a proxy routes the whole stream
+nginx) sends a user to the server that caches the user's KV. HTTP and unary gRPC set the header
+per request. A gRPC stream's headers are fixed when the stream opens, and a proxy routes the whole stream
 to one server, so one stream must carry one user: `RankingClient` (re)opens its stream with the
 user's header when the user changes, and `replay` gives each worker whole users (balanced by
 request count) and keeps one open stream per user (at most `MAX_USER_STREAMS` per worker), each
@@ -68,14 +71,17 @@ class CheckFailed(RuntimeError):
 
 
 class RankingClient:
-    """One connection (one gRPC stream, or HTTP keep-alive) sending one request at a time."""
+    """One connection (gRPC, one gRPC stream, or HTTP keep-alive) sending one request at a time."""
 
     def __init__(self, url: str, model: str = ENSEMBLE, http: bool = False, timeout_s: float = 60.0,
-                 headers: dict[str, str] | None = None, route_header: str | None = None, retries: int = 2):
+                 headers: dict[str, str] | None = None, route_header: str | None = None, retries: int = 2,
+                 stream: bool = False):
         """`route_header`: a header name (e.g. "x-user-id") that carries each request's user id
-        (gRPC: the stream is reopened with it whenever the user changes). `retries`: how often a
-        request whose error is marked retryable is resent."""
+        (a stream is reopened with it whenever the user changes). `retries`: how often a request
+        whose error is marked retryable is resent. `stream`: a gRPC stream instead of unary calls
+        (see the module docstring before using one against batched steps)."""
         self.url, self.model, self.http, self.timeout_s = url, model, http, timeout_s
+        self.stream = stream and not http
         self.retries = retries
         self.retried = 0  # requests resent after a retryable error
         self.headers = headers or {}
@@ -86,9 +92,12 @@ class RankingClient:
         if not http:
             import tritonclient.grpc as grpcclient
 
+            from tritonclient.utils import InferenceServerException
+
             self._grpc = grpcclient
+            self._grpc_error = InferenceServerException
             self._client = grpcclient.InferenceServerClient(url)
-            if route_header is None:
+            if self.stream and route_header is None:
                 self._open_stream(self.headers)  # else on the first request, with its user's header
 
     def score(self, request: RankingRequest) -> np.ndarray:
@@ -97,7 +106,9 @@ class RankingClient:
         flight) is resent, up to `retries` times."""
         for attempt in range(self.retries + 1):
             try:
-                return self._score_http(request) if self.http else self._score_grpc(request)
+                if self.http:
+                    return self._score_http(request)
+                return self._score_stream(request) if self.stream else self._score_unary(request)
             except RequestFailed as e:
                 if RETRYABLE not in str(e) or attempt == self.retries:
                     raise
@@ -131,15 +142,30 @@ class RankingClient:
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)), headers=headers)
         self._stream_headers = headers
 
-    def _score_grpc(self, request: RankingRequest) -> np.ndarray:
-        headers = self._request_headers(request)
-        if headers != self._stream_headers:
-            self._open_stream(headers)
+    def _grpc_inputs(self, request: RankingRequest) -> list:
         inputs = []
         for name, arr in request.arrays().items():
             t = self._grpc.InferInput(name, list(arr.shape), "INT64")
             t.set_data_from_numpy(arr)
             inputs.append(t)
+        return inputs
+
+    def _score_unary(self, request: RankingRequest) -> np.ndarray:
+        try:
+            result = self._client.infer(self.model, self._grpc_inputs(request), headers=self._request_headers(request),
+                                        outputs=[self._grpc.InferRequestedOutput("scores")],
+                                        client_timeout=self.timeout_s)
+        except self._grpc_error as e:
+            if "Deadline" in str(e):
+                raise TimeoutError(f"no response from {self.model} within {self.timeout_s}s") from None
+            raise RequestFailed(str(e)) from None
+        return result.as_numpy("scores")
+
+    def _score_stream(self, request: RankingRequest) -> np.ndarray:
+        headers = self._request_headers(request)
+        if headers != self._stream_headers:
+            self._open_stream(headers)
+        inputs = self._grpc_inputs(request)
         self._next_id += 1
         request_id = str(self._next_id)
         try:
@@ -220,7 +246,7 @@ def default_processes(concurrency: int) -> int:
 
 def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurrency: int = 1,
            http: bool = False, timeout_s: float = 60.0, route_header: str | None = None,
-           processes: int = 1) -> ReplayResult:
+           processes: int = 1, stream: bool = False) -> ReplayResult:
     """Send the trace with `concurrency` closed-loop clients; collect scores, latencies, errors.
 
     With `route_header` each worker owns whole users and keeps one stream per user (see the
@@ -231,17 +257,24 @@ def replay(trace: list[RankingRequest], url: str, model: str = ENSEMBLE, concurr
 
     `processes` > 1 spreads the clients over that many worker processes (never more than
     `concurrency`, nor than the trace has users), each owning whole users: see the module
-    docstring. The result is the same as one process's, under the same trace indexes."""
+    docstring. The result is the same as one process's, under the same trace indexes.
+    `http`: HTTP /generate; `stream`: gRPC streams; else unary gRPC (see the module docstring)."""
+    transport = "http" if http else "stream" if stream else "grpc"
     processes = min(processes, concurrency)
     if processes > 1:
         parts = partition_by_user(trace, processes)
         if len(parts) > 1:  # one user (or none): one process is all there is, so stay in this one
-            return _replay_processes(trace, parts, url, model, concurrency, http, timeout_s, route_header)
-    return _replay_threads(trace, url, model, concurrency, http, timeout_s, route_header)
+            return _replay_processes(trace, parts, url, model, concurrency, transport, timeout_s, route_header)
+    return _replay_threads(trace, url, model, concurrency, transport, timeout_s, route_header)
+
+
+def _client(url: str, model: str, transport: str, timeout_s: float, route_header: str | None = None) -> RankingClient:
+    return RankingClient(url, model=model, http=transport == "http", stream=transport == "stream", timeout_s=timeout_s,
+                         route_header=route_header)
 
 
 def _replay_threads(trace: list[RankingRequest], url: str, model: str, concurrency: int,
-                    http: bool, timeout_s: float, route_header: str | None) -> ReplayResult:
+                    transport: str, timeout_s: float, route_header: str | None) -> ReplayResult:
     """`replay` in this process: `concurrency` client threads."""
     result = ReplayResult()
     lock = threading.Lock()
@@ -263,7 +296,7 @@ def _replay_threads(trace: list[RankingRequest], url: str, model: str, concurren
     next_index = iter(range(len(trace)))
 
     def shared_worker() -> None:
-        with RankingClient(url, model=model, http=http, timeout_s=timeout_s) as client:
+        with _client(url, model, transport, timeout_s) as client:
             while True:
                 with lock:
                     i = next(next_index, None)
@@ -278,8 +311,7 @@ def _replay_threads(trace: list[RankingRequest], url: str, model: str, concurren
                 user = int(trace[i].user_id)
                 client = streams.pop(user, None)
                 if client is None:
-                    client = RankingClient(url, model=model, http=http, timeout_s=timeout_s,
-                                           route_header=route_header)
+                    client = _client(url, model, transport, timeout_s, route_header)
                     if len(streams) >= MAX_USER_STREAMS:
                         streams.popitem(last=False)[1].close()
                 streams[user] = client
@@ -314,7 +346,7 @@ def _replay_threads(trace: list[RankingRequest], url: str, model: str, concurren
 
 
 def _replay_processes(trace: list[RankingRequest], parts: list[list[int]], url: str, model: str,
-                      concurrency: int, http: bool, timeout_s: float, route_header: str | None) -> ReplayResult:
+                      concurrency: int, transport: str, timeout_s: float, route_header: str | None) -> ReplayResult:
     """`replay` over one worker process per part of `parts` (trace indexes of whole users), the
     `concurrency` clients dealt as evenly as possible (each part at least one: len(parts) <= concurrency).
 
@@ -332,7 +364,7 @@ def _replay_processes(trace: list[RankingRequest], parts: list[list[int]], url: 
         for indexes, share in zip(parts, shares):
             receiver, sender = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_replay_process, daemon=True, name="hstu-replay",
-                                  args=(sender, release, [trace[i] for i in indexes], share, url, model, http,
+                                  args=(sender, release, [trace[i] for i in indexes], share, url, model, transport,
                                         timeout_s, route_header))
             process.start()
             sender.close()  # the child holds it now; our copy would keep EOF from ever arriving
@@ -393,16 +425,16 @@ def _receive(receiver: multiprocessing.connection.Connection, process: multiproc
 
 
 def _replay_process(sender: multiprocessing.connection.Connection, release: multiprocessing.synchronize.Event,
-                    trace: list[RankingRequest], concurrency: int, url: str, model: str, http: bool,
+                    trace: list[RankingRequest], concurrency: int, url: str, model: str, transport: str,
                     timeout_s: float, route_header: str | None) -> None:
     """A replay worker process: report ready, wait for the release, replay `trace` (one part of the
     parent's), send back (scores, latencies, errors keyed by position in `trace`, end time)."""
     try:
-        if not http:
+        if transport != "http":
             import tritonclient.grpc  # noqa: F401 - imported before the release, so its import is not timed
         sender.send("ready")
         release.wait()
-        part = _replay_threads(trace, url, model, concurrency, http, timeout_s, route_header)
+        part = _replay_threads(trace, url, model, concurrency, transport, timeout_s, route_header)
         end = time.monotonic()
         # latencies_s is in trace order over the scored requests: the sorted score indexes
         latencies = dict(zip(sorted(part.scores), part.latencies_s, strict=True))
@@ -504,7 +536,10 @@ def max_abs_diff(served, want: np.ndarray) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hstu-client", description="Send ranking requests to hstu_ranking.")
     p.add_argument("--url", help="host:port (default 127.0.0.1:8001 for gRPC, :8000 with --http)")
-    p.add_argument("--http", action="store_true", help="use HTTP /generate instead of a gRPC stream")
+    p.add_argument("--http", action="store_true", help="use HTTP /generate instead of unary gRPC")
+    p.add_argument("--stream", action="store_true",
+                   help="use a gRPC stream instead of unary gRPC (only against a server whose lifecycle steps take "
+                        "one request per execute: tritonserver 2.51 corrupts batched inputs that came on streams)")
     p.add_argument("--model", default=ENSEMBLE, help="hstu_ranking or hstu_monolithic")
     p.add_argument("--trace", type=Path, help="JSONL trace (see hstu-trace)")
     p.add_argument("--user", type=int, help="user id (single request mode)")
@@ -517,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                         "process cannot drive a fast server)")
     p.add_argument("--route-header", nargs="?", const=ROUTE_HEADER, default=None, metavar="NAME",
                    help=f"carry the user id in this header (default {ROUTE_HEADER}) for a routing proxy "
-                        "(hstu-cluster); gRPC: one stream per user, each worker owns whole users")
+                        "(hstu-cluster); each worker owns whole users (with --stream: one stream per user)")
     p.add_argument("--check", action="store_true", help="compare every response with the reference scorer")
     p.add_argument("--model-repository", default="model_repository")
     p.add_argument("--tolerance", type=float, default=1e-4)
@@ -532,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         p.error("give --trace FILE, or --user, --items, --actions and --candidates")
 
-    result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http,
+    result = replay(trace, url, model=a.model, concurrency=a.concurrency, http=a.http, stream=a.stream,
                     route_header=a.route_header, processes=a.processes)
     if len(trace) == 1 and result.scores:
         print(json.dumps({"scores": result.scores[0].tolist()}))

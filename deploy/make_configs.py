@@ -48,9 +48,9 @@ def _dynamic_batching(queue_delay_us: int) -> str:
 
 # kv_lookup_alloc and kv_offload batch like hstu_compute: each fixed cost of theirs (the Python
 # backend's round trip, the table lock, the commit's control round trip) is paid once per batch.
-# On tritonserver 2.51 this is safe only because no model answers through a response sender: a
-# batch whose answers mixed senders with returned responses corrupted the Python backend's shared
-# memory (docs/ARCHITECTURE.md, "Batching on tritonserver 2.51").
+# tritonserver 2.51's Python backend corrupts batched inputs that came on gRPC streams (and now
+# and then crashes): serve streaming clients with `--lifecycle-max-batch-size 1`; unary gRPC and
+# HTTP clients are safe batched (docs/ARCHITECTURE.md, "Batching on tritonserver 2.51").
 LIFECYCLE_MAX_BATCH_SIZE = 64
 
 

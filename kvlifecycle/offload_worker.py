@@ -74,12 +74,12 @@ class Offloader:
         (pages reported failed)."""
         if not items:
             return None
-        tokens = tokens_as_int64(token_ids)
         S = self.page_size
         items = sorted(items, key=lambda it: it.prefix_len)
         end = items[-1].prefix_len
         page_ids = [it.page_id for it in items]
         try:
+            tokens = tokens_as_int64(token_ids)
             assert end <= tokens.size, (
                 f"Offloader.launch: items reach token {end}, got only {tokens.size} token ids"
             )
@@ -227,8 +227,12 @@ class OffloadWorker:
             if batches:
                 self.before_put()
                 for puts in batches:
-                    for put in puts:
-                        self._put(*put)
+                    for namespace, history, items in puts:
+                        try:
+                            self._put(namespace, history, items)
+                        except Exception:  # a bug: these pages stay on the device only; the thread goes on
+                            logger.error("offload: a put failed unexpectedly", exc_info=True)
+                            self._done([it.page_id for it in items], False)
             if stop:
                 return
             if self.offloader is not None:

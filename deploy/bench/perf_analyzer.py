@@ -2,8 +2,9 @@
 
     run_perf_analyzer(grpc_url, model, concurrency, data, csv, interval_ms) -> PerfAnalyzerResult
 
-`data` is `deploy.trace.perf_analyzer_data` of a trace; the run streams it over gRPC
-(`--streaming --async`) for 3 measurement windows of `interval_ms`, whatever their spread.
+`data` is `deploy.trace.perf_analyzer_data` of a trace; the run sends it over unary gRPC
+(`--async`; not `--streaming`: tritonserver 2.51 corrupts batched inputs that came on streams,
+docs/ARCHITECTURE.md) for 3 measurement windows of `interval_ms`, whatever their spread.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class PerfAnalyzerResult:
 def run_perf_analyzer(grpc_url: str, model: str, concurrency: int, data: Path, csv: Path,
                       interval_ms: int) -> PerfAnalyzerResult:
     cmd = [str(Path(sys.executable).parent / "perf_analyzer"), "-m", model, "-u", grpc_url, "-i", "grpc",
-           "--streaming", "--async", "--input-data", str(data), "--concurrency-range", str(concurrency),
+           "--async", "--input-data", str(data), "--concurrency-range", str(concurrency),
            # A cross-check, not a search: 3 time windows taken whatever their spread. The default check
            # (max/min of 3 windows within 10%) never passes on a trace mixing 5 ms hits and 1 s misses,
            # and --request-count reports count / 1 s as the throughput.

@@ -230,7 +230,7 @@ class Bench:
         models = self._sequential_blocks(lambda client: [self._tiny() for _ in range(n)])
         per_block = [e.p50_ms - m.p50_ms for e, m in zip(models[ENSEMBLE].runs, models[MONOLITHIC].runs)]
         return HopOverhead(
-            method=(f"{self.cfg.repeats} blocks of {n} sequential requests per model on one gRPC stream each, blocks "
+            method=(f"{self.cfg.repeats} blocks of {n} sequential requests per model on one gRPC connection each, blocks "
                     "interleaved; each request has a fresh user, 2 history events (4 tokens: no full page, nothing "
                     "cached or offloaded) and 1 candidate, so compute is negligible. overhead = median over block "
                     "pairs of (hstu_ranking's p50 - hstu_monolithic's p50 in the adjacent block): a pair shares the "
@@ -258,7 +258,7 @@ class Bench:
                 method=(f"{self.cfg.repeats} blocks per model and kind, interleaved; a hit block primes {n} fresh "
                         f"users with {events - CACHE_NEW_EVENTS} events each, then times each user's next request "
                         f"({events} events, {2 * events} tokens, {CACHE_CANDIDATES} candidates) back to back on one "
-                        f"gRPC stream; a miss block times {n} fresh users of the same length; Triton's per-model "
+                        f"gRPC connection; a miss block times {n} fresh users of the same length; Triton's per-model "
                         "statistics are read around the timed requests only"),
                 history_tokens=2 * events, candidates=CACHE_CANDIDATES, models=hits, misses=misses,
                 p50_ensemble_over_monolithic=hits[ENSEMBLE].p50_ms.median / hits[MONOLITHIC].p50_ms.median,

@@ -2,7 +2,7 @@
 
     python -m deploy.bench.scale_out --out deploy/reports/scale-out-$(date +%F).json
 
-Both runs go through the same path (nginx, x-user-id routing, one gRPC stream per user, the
+Both runs go through the same path (nginx, x-user-id routing on every unary gRPC call, the
 Mooncake tier), so the only difference is the number of tritonservers behind the proxy. Every
 score is checked against the reference scorer. On a machine with few cores the servers share
 those cores: the numbers measure the mechanism, not the scaling of a real multi-host cluster.

@@ -1,7 +1,7 @@
 """Scale-out: two tritonservers behind nginx (consistent hash on x-user-id), one Mooncake tier.
 
 One scenario, in the order a deployment lives it:
-  1. a trace over gRPC streams (one per user) and a few HTTP /generate requests through the
+  1. a trace over unary gRPC and a few HTTP /generate requests through the
      proxy: every score matches the reference scorer; nginx sent each user to one server, and
      each server's kv_lookup_alloc counted exactly the requests of the users sent to it;
   2. server 0 stops (it flushes its offloads into the shared tier); its users' next requests
@@ -40,6 +40,9 @@ OUTAGE_REQUEST_S = 10.0  # a request while the master is dead: a few store timeo
 def lookups(server: Server, outcome: str | None = None) -> float:
     outcomes = OUTCOMES if outcome is None else (outcome,)
     return sum(metric(server, "hstu_kv_lookups_total", model="kv_lookup_alloc", outcome=o) for o in outcomes)
+
+
+GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"  # the unary call, as nginx logs its URI
 
 
 def routed_users(cluster: Cluster, uri_part: str) -> dict[int, set[str]]:
@@ -88,7 +91,7 @@ def test_users_stick_to_one_server_and_move_with_their_cache(cluster: Cluster, r
     trace = generate(TraceConfig(num_users=12, num_requests=60, seed=11, zipf_a=0.5, initial_events_median=80,
                                  initial_events_sigma=0.3))
 
-    # 1. gRPC streams, one per user, through the proxy; then HTTP /generate.
+    # 1. unary gRPC (the user id in each call's header) through the proxy; then HTTP /generate.
     result = replay(trace, cluster.grpc_url, model=ENSEMBLE, concurrency=3, route_header=ROUTE_HEADER,
                     timeout_s=120.0)
     assert_matches_reference(trace, result, reference)
@@ -98,10 +101,10 @@ def test_users_stick_to_one_server_and_move_with_their_cache(cluster: Cluster, r
     assert_matches_reference(http_trace, http_result, reference)
 
     users = {r.user_id for r in trace}
-    deadline = time.monotonic() + 10  # nginx logs a stream when it ends
-    while set(routed_users(cluster, "ModelStreamInfer")) != users and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10  # nginx logs a call when it ends
+    while set(routed_users(cluster, GRPC_METHOD)) != users and time.monotonic() < deadline:
         time.sleep(0.2)
-    grpc_routes = routed_users(cluster, "ModelStreamInfer")
+    grpc_routes = routed_users(cluster, GRPC_METHOD)
     http_routes = routed_users(cluster, "/generate")
     assert set(grpc_routes) == users, f"access log users {sorted(grpc_routes)} vs trace users {sorted(users)}"
     for routes in (grpc_routes, http_routes):
@@ -137,7 +140,7 @@ def test_users_stick_to_one_server_and_move_with_their_cache(cluster: Cluster, r
     # by server 0, are in the tier (a get_match that times out on a loaded machine is a miss).
     assert host_hits > 0, f"server 1: no host hits for {len(moved)} users moved from server 0"
     deadline = time.monotonic() + 10
-    while not all(s1.grpc_url in routed_users(cluster, "ModelStreamInfer")[u] for u in moved):
+    while not all(s1.grpc_url in routed_users(cluster, GRPC_METHOD)[u] for u in moved):
         assert time.monotonic() < deadline, f"access log: moved users {moved} not all answered by {s1.grpc_url}"
         time.sleep(0.2)
 

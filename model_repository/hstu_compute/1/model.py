@@ -15,10 +15,10 @@ computed: it reads what was copied and computes the rest (pages the store did no
 failed or late copy, are computed; a copy that may still be running moves the request to fresh
 pages). The device hits' forward overlaps the copies' wait.
 
-Every request is answered in the list `execute` returns, never through a response sender: the
-Python backend of tritonserver 2.51 corrupted memory when a batch's answers mixed the two
-(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"). So a batch with a host hit returns once
-that copy is settled (at most the owner's onboard wait).
+Every request is answered in the list `execute` returns, never through a response sender
+(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"), so a batch with a host hit returns once
+that copy is settled (at most the owner's onboard wait). A plan that fails its checks is
+answered retryable; the scores go out sealed with a checksum row (`sealed_scores`).
 
 Every compiled forward runs on one thread, the forward thread (`_run_forwards`): `execute` hands
 it the batch's ready requests, then the settled ones, and waits for them; what was queued

@@ -16,9 +16,9 @@ ones you hold) and settles each copy when the store reports it done, or as a tim
 copied are recomputed. hstu_compute asks this process's control plane how that request's onboard
 ended before it reads them.
 
-Every request is answered in the list `execute` returns, never through a response sender: the
-Python backend of tritonserver 2.51 corrupted memory when a batch's answers mixed the two
-(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"). Nothing here waits for a commit:
+Every request is answered in the list `execute` returns, never through a response sender, and
+ids that look corrupted in transit are answered retryable (docs/ARCHITECTURE.md, "Batching on
+tritonserver 2.51"). Nothing here waits for a commit:
 kv_offload commits before it answers, and a request that finds its prefix still being written
 (the same user's previous request still in flight) computes those pages itself. A bad request or
 an exhausted pool becomes an error response for that request only and changes no cache state.

@@ -33,9 +33,9 @@ class TritonPythonModel(_real.TritonPythonModel):
 
         def commit_late_ones_later(lease_ids):
             late = [lease_id for lease_id in lease_ids if lease_id in self._late]
-            if late:
-                timer = threading.Timer(COMMIT_DELAY_S, lambda: self.worker.submit(
-                    [(c.namespace, None, c.items) for c in commit(late) if c.items]))  # puts fail: no history
+            if late:  # committed late, and not offloaded (no history to key the put by): unpinned at once
+                timer = threading.Timer(COMMIT_DELAY_S, lambda: [
+                    self.control.offload_done([it.page_id for it in c.items], False) for c in commit(late)])
                 timer.daemon = True
                 timer.start()
             on_time = iter(commit([lease_id for lease_id in lease_ids if lease_id not in self._late]))
