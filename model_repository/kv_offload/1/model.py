@@ -77,11 +77,14 @@ class TritonPythonModel:
             else:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores.unsqueeze(0))])
         if lease_ids:
-            tokens = history_tokens_many(self._checked(histories), self.config)
-            offsets = torch.tensor([0] + [t.numel() for t in tokens], dtype=torch.int64).cumsum(0)
-            # commits the batch (one control round trip) before the answers; the puts run on the worker
-            self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64), torch.cat(tokens),
-                                    offsets)
+            try:
+                tokens = history_tokens_many(self._checked(histories), self.config)
+                offsets = torch.tensor([0] + [t.numel() for t in tokens], dtype=torch.int64).cumsum(0)
+                # commits the batch (one control round trip) before the answers; the puts run on the worker
+                self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64),
+                                        torch.cat(tokens), offsets)
+            except Exception:  # a bug: the scores stand; the leases return on expiry
+                logger.error("kv_offload: commit and offload of a batch of %d failed", len(lease_ids), exc_info=True)
         return responses
 
     def _checked(self, histories: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
