@@ -51,11 +51,11 @@ from typing import Any
 import torch
 
 from kvlifecycle.leases import Lease
-from kvlifecycle.manager import LookupResult
+from kvlifecycle.manager import KVCacheManager, LookupResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Registered", "register", "unregister", "registered", "split_tokens"]
+__all__ = ["Registered", "register", "unregister", "registered", "split_tokens", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,18 @@ def registered(handle: int) -> Registered:
     if entry is None:
         raise KeyError(f"kvlifecycle ops: no manager registered under handle {handle} in this process")
     return entry
+
+
+def warm_up(handle: int) -> None:
+    """Call every op once on an empty batch: a custom op's first call in a process costs about a
+    second (torch's lazy set-up), which would otherwise land on the first request served."""
+    empty, offsets = torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    kv = torch.ops.kvlifecycle
+    if isinstance(registered(handle).manager, KVCacheManager):
+        hits = kv.lookup(handle, empty, empty, offsets)
+        leases, _ = kv.allocate(handle, empty, empty, offsets, hits, 1.0)
+        kv.onboard_launch(handle, leases)
+    kv.offload_launch(handle, empty, empty, offsets)
 
 
 def split_tokens(tokens: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
