@@ -9,15 +9,14 @@ that does not own the page table (kv_offload). Call order, per batch of computed
     worker.start()
     committed = worker.commit(lease_ids)          # one control round trip for the batch
     ... answer the requests ...
-    worker.submit([(namespace, history, items), ...])   # the pages to put; returns at once
+    worker.submit([(namespace, token_ids, items), ...])   # the pages to put; returns at once
     ...
     left = worker.stop(flush_timeout_s)           # put what is queued, wait for every put
 
 The commit is on the request's path, once per batch: after it the pages are visible, so the
 user's next request, sent once this answer arrived, finds them (the owner never waits for a
-commit). The puts are not: the worker thread turns each request's ``history`` into its token
-ids (``tokens_of``, off the request's path), submits one ``put_async`` for its pages
-(``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``), reporting
+commit). The puts are not: the worker thread submits one ``put_async`` per request for its
+pages (``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``), reporting
 each to the owner (``control.offload_done``) so the pages are unpinned. A put waits up to the
 store's RPC timeout when the store is slow or down; it never holds up a request. A failed
 commit leaves the leases to expire on the owner (the answer stands: the scores are right); a
@@ -152,21 +151,18 @@ class Offloader:
 class OffloadWorker:
     """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
     registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
-    each commit round trip's time and size; ``tokens_of(history)`` gives a request's token ids
-    (default: ``history`` is them)."""
+    each commit round trip's time and size."""
 
     def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
                  before_put: Callable[[], None] = lambda: None,
-                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None,
-                 tokens_of: Callable[[object], TokenIds] = lambda history: history) -> None:
+                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None) -> None:
         self.control = control  # ControlClient: thread-safe, used by the caller and the thread
         self.store = store
         self.page_bytes = page_bytes
         self.reap_interval_s = reap_interval_s
         self.before_put = before_put
         self.on_commit = on_commit
-        self.tokens_of = tokens_of
-        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, history, items), then STOP
+        self._to_put: queue.Queue = queue.Queue()  # lists of (namespace, token_ids, items), then STOP
         self._put_thread = threading.Thread(target=self._put_loop, name="offload-worker", daemon=True)
         self._stats = {"offloaded_pages": 0, "offloaded_bytes": 0}
         self.offloader = (Offloader(store, page_size, self._done) if store is not None else None)
@@ -188,10 +184,10 @@ class OffloadWorker:
         self.on_commit(time.perf_counter() - started, len(lease_ids))
         return committed
 
-    def submit(self, puts: Sequence[tuple[str, object, Sequence[OffloadItem]]]) -> None:
-        """Queue committed pages to put, ``(namespace, history, items)`` each; never blocks.
-        ``history`` is what ``tokens_of`` takes (it must not share memory with a request that
-        ends when ``execute`` returns)."""
+    def submit(self, puts: Sequence[tuple[str, TokenIds, Sequence[OffloadItem]]]) -> None:
+        """Queue committed pages to put, ``(namespace, token_ids, items)`` each (the token ids the
+        request's pages are keyed by; they must not share memory with a request that ends when
+        ``execute`` returns); never blocks."""
         if puts:
             self._to_put.put(list(puts))
 
@@ -227,9 +223,9 @@ class OffloadWorker:
             if batches:
                 self.before_put()
                 for puts in batches:
-                    for namespace, history, items in puts:
+                    for namespace, token_ids, items in puts:
                         try:
-                            self._put(namespace, history, items)
+                            self._put(namespace, token_ids, items)
                         except Exception:  # a bug: these pages stay on the device only; the thread goes on
                             logger.error("offload: a put failed unexpectedly", exc_info=True)
                             self._done([it.page_id for it in items], False)
@@ -238,14 +234,8 @@ class OffloadWorker:
             if self.offloader is not None:
                 self.offloader.reap()
 
-    def _put(self, namespace: str, history: object, items: Sequence[OffloadItem]) -> None:
+    def _put(self, namespace: str, token_ids: TokenIds, items: Sequence[OffloadItem]) -> None:
         if self.offloader is None:
-            self._done([it.page_id for it in items], False)
-            return
-        try:
-            token_ids = self.tokens_of(history)
-        except Exception:  # a bug: these pages stay on the device only, unpinned now
-            logger.warning("offload: the token ids of a committed request could not be made", exc_info=True)
             self._done([it.page_id for it in items], False)
             return
         self.offloader.launch(namespace, token_ids, items)
