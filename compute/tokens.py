@@ -27,7 +27,7 @@ from compute.config import HSTUConfig
 logger = logging.getLogger(__name__)
 
 __all__ = ["Ids", "check_history", "check_ids", "check_request", "history_tokens", "history_tokens_many", "ids_as_tensor",
-           "looks_corrupted_in_transit"]
+           "ids_in_range", "looks_corrupted_in_transit"]
 
 Ids = Union[Sequence[int], np.ndarray, torch.Tensor]
 
@@ -93,6 +93,16 @@ def looks_corrupted_in_transit(item_ids: torch.Tensor, action_ids: torch.Tensor,
             return False
         found = True
     return found
+
+
+def ids_in_range(ids: Sequence[torch.Tensor], low: int, high: int) -> bool:
+    """Whether every id of every tensor of ``ids`` is in ``[low, high)``: one min/max over all of
+    them (a batch's range check; ``check_ids`` names the offender when there is one)."""
+    joined = torch.cat(list(ids)) if ids else torch.empty(0, dtype=torch.int64)
+    if joined.numel() == 0:
+        return True
+    smallest, largest = torch.aminmax(joined)
+    return int(smallest) >= low and int(largest) < high
 
 
 def check_ids(name: str, ids: torch.Tensor, low: int, high: int) -> str | None:

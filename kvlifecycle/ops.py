@@ -55,7 +55,7 @@ from kvlifecycle.manager import KVCacheManager, LookupResult
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Registered", "register", "unregister", "registered", "split_tokens", "warm_up"]
+__all__ = ["Registered", "join_tokens", "register", "unregister", "registered", "split_tokens", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def registered(handle: int) -> Registered:
 def warm_up(handle: int) -> None:
     """Call every op once on an empty batch: a custom op's first call in a process costs about a
     second (torch's lazy set-up), which would otherwise land on the first request served."""
-    empty, offsets = torch.empty(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    empty, offsets = join_tokens([])
     kv = torch.ops.kvlifecycle
     if isinstance(registered(handle).manager, KVCacheManager):
         hits = kv.lookup(handle, empty, empty, offsets)
@@ -102,8 +102,15 @@ def warm_up(handle: int) -> None:
     kv.offload_launch(handle, empty, empty, offsets)
 
 
+def join_tokens(per_user: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The users' tokens as the ops take them: concatenated ``[T]`` and ``offsets [B+1]``."""
+    tokens = torch.cat(per_user) if per_user else torch.empty(0, dtype=torch.int64)
+    offsets = torch.tensor([0] + [t.numel() for t in per_user], dtype=torch.int64).cumsum(0)
+    return tokens, offsets
+
+
 def split_tokens(tokens: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
-    """User ``b``'s tokens, ``tokens[offsets[b]:offsets[b+1]]``, for each user."""
+    """User ``b``'s tokens, ``tokens[offsets[b]:offsets[b+1]]``, for each user (``join_tokens``'s inverse)."""
     bounds = offsets.tolist()
     return [tokens[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
 

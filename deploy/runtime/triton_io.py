@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton_python_backend_utils as pb_utils
 
-from compute.tokens import check_request, looks_corrupted_in_transit  # the one place that knows the id rules
+from compute.tokens import check_request, ids_in_range, looks_corrupted_in_transit  # the one place that knows the id rules
 from deploy.runtime.schema import RETRYABLE
 
 logger = logging.getLogger(__name__)
@@ -110,14 +110,9 @@ def read_ranking_batch(requests: list, config) -> list["RankingInputs | BadReque
 
 
 def _ids_in_range(batch: list[RankingInputs], config) -> bool:
-    for field, low, high in (("item_ids", 1, config.item_vocab), ("action_ids", 0, config.action_vocab),
-                             ("candidate_ids", 1, config.item_vocab)):
-        ids = torch.cat([getattr(r, field) for r in batch])
-        if ids.numel():
-            smallest, largest = torch.aminmax(ids)
-            if int(smallest) < low or int(largest) >= high:
-                return False
-    return True
+    return (ids_in_range([r.item_ids for r in batch], 1, config.item_vocab)
+            and ids_in_range([r.action_ids for r in batch], 0, config.action_vocab)
+            and ids_in_range([r.candidate_ids for r in batch], 1, config.item_vocab))
 
 
 def _checked(r: RankingInputs, config) -> "RankingInputs | BadRequest":

@@ -44,9 +44,7 @@ class Puts:
 
 
 def batch(*histories: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.cat([torch.tensor(h, dtype=torch.int64) for h in histories])
-    offsets = torch.tensor([0] + [len(h) for h in histories], dtype=torch.int64).cumsum(0)
-    return tokens, offsets
+    return ops.join_tokens([torch.tensor(h, dtype=torch.int64) for h in histories])
 
 
 @pytest.fixture

@@ -141,8 +141,7 @@ class TritonPythonModel:
         manager = self.cache.manager
         started = time.perf_counter()
         user_ids = torch.tensor([item.inputs.user_id for item in batch], dtype=torch.int64)
-        tokens = torch.cat([item.tokens for item in batch])
-        offsets = torch.tensor([0] + [item.tokens.numel() for item in batch], dtype=torch.int64).cumsum(0)
+        tokens, offsets = ops.join_tokens([item.tokens for item in batch])
         # The store is not asked here: the control plane's thread asks it about each onboard started.
         hits = self.ops.lookup(self.ops_handle, user_ids, tokens, offsets)
         looked_up = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, history_tokens_many
-from compute.tokens import check_history
+from compute.tokens import check_history, ids_in_range
 from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
@@ -79,11 +79,9 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[output_tensor("scores", scores.unsqueeze(0))])
         if lease_ids:
             try:
-                tokens = history_tokens_many(self._checked(histories), self.config)
-                offsets = torch.tensor([0] + [t.numel() for t in tokens], dtype=torch.int64).cumsum(0)
+                tokens, offsets = ops.join_tokens(history_tokens_many(self._checked(histories), self.config))
                 # commits the batch (one control round trip) before the answers; the puts run on the worker
-                self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64),
-                                        torch.cat(tokens), offsets)
+                self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64), tokens, offsets)
             except Exception:  # a bug: the scores stand; the leases return on expiry
                 logger.error("kv_offload: commit and offload of a batch of %d failed", len(lease_ids), exc_info=True)
         return responses
@@ -92,11 +90,9 @@ class TritonPythonModel:
         """The histories, each emptied if its ids break the token contract (one range pass over the
         batch; a request's own check only when that pass fails): its lease is still committed, but
         a history this process read differently from the owner is never put under its keys."""
-        items = torch.cat([h[0] for h in histories])
-        actions = torch.cat([h[1] for h in histories])
-        if (all(h[0].numel() == h[1].numel() for h in histories) and items.numel()
-                and int(items.min()) >= 1 and int(items.max()) < self.config.item_vocab
-                and int(actions.min()) >= 0 and int(actions.max()) < self.config.action_vocab):
+        if (all(items.numel() == actions.numel() for items, actions in histories)
+                and ids_in_range([items for items, _ in histories], 1, self.config.item_vocab)
+                and ids_in_range([actions for _, actions in histories], 0, self.config.action_vocab)):
             return histories
         checked = []
         for history in histories:
