@@ -53,6 +53,18 @@ def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":
     return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(value.contiguous()))
 
 
+class Reply:
+    """A request's answer, for the list `execute` returns. Answered once: a later answer (an
+    error for a request another thread answered meanwhile) is ignored."""
+
+    def __init__(self) -> None:
+        self.response = None
+
+    def answer(self, response) -> None:
+        if self.response is None:
+            self.response = response
+
+
 def error_response(message: str, retryable: bool = False) -> "pb_utils.InferenceResponse":
     """An error for one request. `retryable`: nothing about the request is wrong and it changed
     no state, so resending it succeeds (code UNAVAILABLE, message ending in RETRYABLE)."""

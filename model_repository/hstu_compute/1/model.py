@@ -52,7 +52,7 @@ from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import error_response, input_tensor, output_tensor
+from deploy.runtime.triton_io import Reply, error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
@@ -277,14 +277,9 @@ class TritonPythonModel:
         return self.pool
 
 
-class ComputeRequest:
-    """A request of a batch until it is answered, with its plan once parsed. Answered once: a
-    later answer (an error for a request the forward thread answered meanwhile) is ignored."""
+class ComputeRequest(Reply):
+    """A request of a batch until it is answered, with its plan once parsed."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.plan: ComputePlan | None = None
-        self.response = None
-
-    def answer(self, response) -> None:
-        if self.response is None:
-            self.response = response

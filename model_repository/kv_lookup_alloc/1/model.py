@@ -36,7 +36,8 @@ from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_kv_cache
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import BadRequest, RankingInputs, error_response, output_tensor, read_ranking_batch
+from deploy.runtime.triton_io import (BadRequest, RankingInputs, Reply, error_response, output_tensor,
+                                     read_ranking_batch)
 from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
@@ -185,16 +186,6 @@ class TritonPythonModel:
                            onboard_len=onboard_len, page_row=page_row[page_row >= 0], candidates=item.inputs.candidate_ids,
                            namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id)
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
-
-
-class Reply:
-    """A request's answer, once given: `execute` returns it."""
-
-    def __init__(self) -> None:
-        self.response = None
-
-    def answer(self, response) -> None:
-        self.response = response
 
 
 class OwnerRequest:
