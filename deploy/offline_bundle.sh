@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Gather what an air-gapped GPU host lacks into one folder (default .bundle/, under 64 MB):
-#   wheels/             pyzmq, tritonclient, python-rapidjson for CPython 3.12 manylinux x86_64
+#   wheels/             pyzmq, tritonclient, python-rapidjson for CPython 3.12 manylinux x86_64, and
+#                       py-spy (deploy/bench/profile.py samples the models' stub processes with it)
 #   tritonserver.tar.xz tritonserver 2.51 + Python backend + the 3.12 stub + the libraries they
 #                       link, cut from the installed nvidia-pytriton wheel (its bundled
 #                       libpython 3.13 is left out: the 3.12 stub links the host's libpython).
@@ -19,7 +20,7 @@ for n in 17 27 28; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 "$ROOT/.venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
   --implementation cp "${platforms[@]}" -d "$OUT/wheels" \
-  pyzmq==27.3.0 tritonclient==2.51.0 python-rapidjson
+  pyzmq==27.3.0 tritonclient==2.51.0 python-rapidjson py-spy==0.4.3
 
 if [ ! -f "$OUT/tritonserver.tar.xz" ]; then
   stub="pytriton/tritonserver/python_backend_stubs/$PYVER"
