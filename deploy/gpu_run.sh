@@ -18,6 +18,9 @@
 #            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32); "offload" the p99 with offload on
 #            and off at c=8 (a second server, --store none). Every request the bench times is checked
 #            against the float32 reference (perf_analyzer's cannot be)
+#   profile  deploy/bench/profile.py --serve on the first config: perf_analyzer (unary) on each model
+#            at c=$PROFILE_CONCURRENCY (default 1 32), every stub sampled with py-spy meanwhile: each
+#            model's hottest functions, and each step's mean batch and ms per execute
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases and
 #            the --store flexkv serving tests (tests/integration/test_serve_flexkv.py), the store
@@ -34,11 +37,11 @@ OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL=5e-2
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|compute|sweep|pooldemo|bench|flexkv) STAGES+=("$1") ;;
+    pytest|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
     serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL="$2"; shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, sweep, pooldemo, bench, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -91,8 +94,14 @@ for stage in "${STAGES[@]}"; do
     # Every server's own logs (tritonserver's model table names a model's load error in full).
     tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true
   fi
-  if [ "$stage" = sweep ] || [ "$stage" = pooldemo ] || [ "$stage" = bench ]; then
+  if [ "$stage" = sweep ] || [ "$stage" = pooldemo ] || [ "$stage" = bench ] || [ "$stage" = profile ]; then
     python3 -m deploy.make_configs --device cuda ${MAKE_CONFIGS_ARGS:-}  # e.g. "--compute-instances 2"
+  fi
+  if [ "$stage" = profile ]; then
+    name="${CONFIGS%% *}"
+    python3 -m deploy.bench.profile --serve --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
+      --pool-pages "$POOL_PAGES" --concurrency ${PROFILE_CONCURRENCY:-1 32} --out-dir "$OUT/profile-$name" 2>&1 \
+      | grep -v " INFO " | tee "$OUT/gpu-profile-$name.log" || status=1
   fi
   for name in $CONFIGS; do
     config="deploy/configs/gpu_${name}_bf16.json"

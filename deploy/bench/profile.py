@@ -65,10 +65,11 @@ def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path
     for model, pids in stubs.items():
         for pid in pids:
             out = out_dir / f"{model}.{pid}.txt"
-            cmd = [py_spy, "record", "--format", "raw", "--threads", "--nonblocking", "--rate", str(rate),
+            cmd = [py_spy, "record", "--format", "raw", "--threads", "--rate", str(rate),
                    "--duration", str(int(seconds)), "--pid", str(pid), "--output", str(out)]
-            running.append((model, out, subprocess.Popen(cmd + (["--native"] if native else []),
-                                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+            # native stacks need the process paused per sample; Python stacks alone do not
+            cmd += ["--native"] if native else ["--nonblocking"]
+            running.append((model, out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     files: dict[str, Path] = {}
     for model, out, proc in running:
         _, err = proc.communicate()
