@@ -73,11 +73,11 @@ class PrefixKeys:
             raise ValueError(f"PrefixKeys: expected page_size > 0 and max_tokens >= 0, got {page_size}, {max_tokens}")
         self.page_size = page_size
         self.max_tokens = max_tokens
-        self._users: OrderedDict[tuple[int, str], tuple[np.ndarray, list[bytes]]] = OrderedDict()
+        self._users: OrderedDict[tuple[int, str], tuple[np.ndarray, tuple[bytes, ...]]] = OrderedDict()
         self._tokens = 0  # token ids kept in _users
         self._lock = threading.Lock()
 
-    def keys(self, user_id: int, token_ids: TokenIds, namespace: str) -> list[bytes]:
+    def keys(self, user_id: int, token_ids: TokenIds, namespace: str) -> tuple[bytes, ...]:
         """``page_keys(token_ids, namespace, page_size)``, reusing ``user_id``'s last keys."""
         S = self.page_size
         tokens = tokens_as_int64(token_ids)
@@ -85,20 +85,21 @@ class PrefixKeys:
         slot = (int(user_id), namespace)
         with self._lock:
             last = self._users.get(slot)
-        shared = 0
-        if last is not None:
+        if last is None:
+            keys = tuple(_extend([], full, _namespace_bytes(namespace), S))
+        else:
             last_tokens, last_keys = last
+            if last_tokens.size == full.size and np.array_equal(last_tokens, full):
+                return last_keys  # the same full pages again (allocate after lookup, a repeated request)
             n = min(last_tokens.size, full.size)
             differ = np.flatnonzero(last_tokens[:n] != full[:n])
             shared = (int(differ[0]) if differ.size else n) // S
-            keys = _extend(last_keys[:shared], full, _namespace_bytes(namespace), S)
-        else:
-            keys = _extend([], full, _namespace_bytes(namespace), S)
+            keys = tuple(_extend(list(last_keys[:shared]), full, _namespace_bytes(namespace), S))
         if full.size <= self.max_tokens:
             self._remember(slot, full.copy(), keys)
         return keys
 
-    def _remember(self, slot: tuple[int, str], tokens: np.ndarray, keys: list[bytes]) -> None:
+    def _remember(self, slot: tuple[int, str], tokens: np.ndarray, keys: tuple[bytes, ...]) -> None:
         with self._lock:
             old = self._users.pop(slot, None)
             if old is not None:

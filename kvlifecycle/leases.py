@@ -434,8 +434,7 @@ class LeaseTable:
                 f"evictable of {self.num_pages}; {self.pages.num_pinned()} committed pages are "
                 f"pinned by leases or offloads and {self._num_leased()} are leased"
             )
-        for page in device:
-            self.pages.pin(page)
+        self.pages.pin_many(device)
         lease_id = next(self._lease_ids)
         taken, evicted = self.pages.take(lease_id, need, device_set)
         self.counters["evictions"] += evicted
@@ -520,8 +519,7 @@ class LeaseTable:
             committed += 1
         if lease.partial_page is not None:
             self.pages.free(lease.partial_page, lease_id)
-        for page in lease.device_pages:
-            self.pages.unpin(page)
+        self.pages.unpin_many(lease.device_pages)
         # Most recent use last; page 0 of the chain ends up most recent, so leaves are
         # evicted before the prefix they hang on.
         self.pages.touch(reversed(row[:num_full]))
@@ -533,8 +531,7 @@ class LeaseTable:
         self._end(lease)
         for page in lease.exclusive_pages:
             self.pages.free(page, lease.lease_id)
-        for page in lease.device_pages:
-            self.pages.unpin(page)
+        self.pages.unpin_many(lease.device_pages)
 
     def _end(self, lease: Lease) -> None:
         """Forget a lease (commit or release) and wake the lookups and reservations waiting."""

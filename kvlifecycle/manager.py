@@ -199,7 +199,7 @@ class KVCacheManager:
         Never waits: pages another request is still writing are not found (see
         ``kvlifecycle.leases``, "Uncommitted prefixes")."""
         tokens = [tokens_as_int64(token_ids) for _, token_ids in requests]
-        chains = [tuple(self.keys.keys(user_id, t, self.namespace)) for (user_id, _), t in zip(requests, tokens)]
+        chains = [self.keys.keys(user_id, t, self.namespace) for (user_id, _), t in zip(requests, tokens)]
         devices = self.leases.match_prefixes(chains)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):

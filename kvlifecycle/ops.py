@@ -48,6 +48,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvlifecycle.leases import Lease
@@ -132,7 +133,7 @@ def allocate(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets:
         array = user_tokens.numpy()
         results.append(LookupResult(
             user_id=user_id, namespace=mgr.namespace, tokens=array,
-            keys=tuple(mgr.keys.keys(user_id, array, mgr.namespace)),  # PrefixKeys: the lookup's keys, not hashed again
+            keys=mgr.keys.keys(user_id, array, mgr.namespace),  # PrefixKeys: the lookup's keys, not hashed again
             device_tokens=device_tokens, host_tokens=host_tokens,
             device_pages=(), host_unasked=host_tokens > 0))
     return _lease_tensors(mgr.allocate_many(results, ttl_s=ttl_s), copying_only=False)
@@ -198,13 +199,14 @@ def _offload_launch_fake(handle: int, lease_ids: torch.Tensor, tokens: torch.Ten
 def _lease_tensors(leases: list, copying_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, 3]`` (lease_id, cached_len, onboard pages: reserved, or with ``copying_only`` those
     still being copied) and ``[B, max_pages]`` page rows (-1 past each row) of a batch's leases;
-    a request without a lease (``PoolExhausted``, ``LeaseGone``, None) is lease_id -1."""
-    meta = torch.full((len(leases), 3), -1, dtype=torch.int64)
+    a request without a lease (``PoolExhausted``, ``LeaseGone``, None) is lease_id -1. Filled as
+    numpy arrays: a torch op per row costs more than the whole row's copy."""
+    meta = np.full((len(leases), 3), -1, dtype=np.int64)
     rows = [lease.page_row if isinstance(lease, Lease) else () for lease in leases]
-    page_rows = torch.full((len(leases), max((len(r) for r in rows), default=0)), -1, dtype=torch.int64)
+    page_rows = np.full((len(leases), max(map(len, rows), default=0)), -1, dtype=np.int64)
     for b, (lease, row) in enumerate(zip(leases, rows)):
         if isinstance(lease, Lease):
-            meta[b] = torch.tensor([lease.lease_id, lease.cached_len,
-                                    lease.num_onboard_pages if lease.onboarding or not copying_only else 0])
-            page_rows[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
-    return meta, page_rows
+            meta[b] = (lease.lease_id, lease.cached_len,
+                       lease.num_onboard_pages if lease.onboarding or not copying_only else 0)
+            page_rows[b, :len(row)] = row
+    return torch.from_numpy(meta), torch.from_numpy(page_rows)

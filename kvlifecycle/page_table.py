@@ -191,24 +191,36 @@ class PageTable:
     # -- refs, LRU, offload pins ----------------------------------------------------------
 
     def pin(self, page: int) -> None:
-        assert self._state[page] == PageState.COMMITTED, (
-            f"pin: expected a committed page, page {page} is {self._state[page].name}"
-        )
-        self._refs[page] += 1
-        self._lru.pop(page, None)  # a page with refs > 0 is never evicted
+        self.pin_many((page,))
 
     def unpin(self, page: int) -> None:
-        assert self._refs[page] > 0, f"unpin: expected refs > 0 on page {page}, got {self._refs[page]}"
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._lru[page] = None
+        self.unpin_many((page,))
+
+    def pin_many(self, pages: Iterable[int]) -> None:
+        """Take a ref on each committed page (a lease reads it, or an offload copies it): a page
+        with refs > 0 is never evicted. One loop for a request's pages (it runs per page on every
+        request)."""
+        refs, lru, state = self._refs, self._lru, self._state
+        for page in pages:
+            assert state[page] == PageState.COMMITTED, f"pin: expected a committed page, page {page} is {state[page].name}"
+            refs[page] += 1
+            lru.pop(page, None)
+
+    def unpin_many(self, pages: Iterable[int]) -> None:
+        refs, lru = self._refs, self._lru
+        for page in pages:
+            assert refs[page] > 0, f"unpin: expected refs > 0 on page {page}, got {refs[page]}"
+            refs[page] -= 1
+            if refs[page] == 0:
+                lru[page] = None
 
     def touch(self, pages: Iterable[int]) -> None:
         """Mark unreferenced committed pages as used now, in order (the last is the most recent)."""
+        refs, lru, state, committed = self._refs, self._lru, self._state, PageState.COMMITTED
         for page in pages:
-            if self._refs[page] == 0 and self._state[page] == PageState.COMMITTED:
-                self._lru.pop(page, None)
-                self._lru[page] = None
+            if refs[page] == 0 and state[page] == committed:
+                lru.pop(page, None)
+                lru[page] = None
 
     def pin_for_offload(self, page: int, deadline: float) -> None:
         self.pin(page)

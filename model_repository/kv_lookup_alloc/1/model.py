@@ -182,8 +182,9 @@ class TritonPythonModel:
                                   "retry the request")
         page_size = self.cache.pool.spec.page_size
         onboard_len = copying * page_size  # a refused onboard only shrank cached_len
+        num_pages = -(-item.tokens.numel() // page_size)  # the lease's row; -1 pads it in page_row
         plan = ComputePlan(new_tokens=item.tokens[cached_len - onboard_len:], cached_len=cached_len,
-                           onboard_len=onboard_len, page_row=page_row[page_row >= 0], candidates=item.inputs.candidate_ids,
+                           onboard_len=onboard_len, page_row=page_row[:num_pages], candidates=item.inputs.candidate_ids,
                            namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id)
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
 
