@@ -101,6 +101,25 @@ class PagedBatch:
         num_pages, pool_page_size = kv_pool.shape[1], kv_pool.shape[3]
         if pool_page_size != page_size:
             return f"kv_pool: expected page_size {page_size} on dim 3, got {pool_page_size}"
+        if not self._rows_fit(num_pages, page_size):  # one pass over the batch; the loop names the user
+            return self._row_problem(num_pages, page_size)
+        if self.new_tokens.numel() and (int(self.new_tokens.min()) < 1 or int(self.new_tokens.max()) >= vocab_size):
+            return f"new_tokens: expected token ids in [1, {vocab_size - 1}]"
+        if int(self.candidates.min()) < 1 or int(self.candidates.max()) >= item_vocab:
+            return f"candidates: expected item ids in [1, {item_vocab - 1}]"
+        return None
+
+    def _rows_fit(self, num_pages: int, page_size: int) -> bool:
+        """Whether every user's cached_len is whole pages and its page row covers its tokens with
+        page ids of the pool."""
+        new_lens = self.new_offsets[1:] - self.new_offsets[:-1]
+        needed = (self.cached_lens + new_lens + page_size - 1) // page_size
+        if bool((self.cached_lens % page_size != 0).any()) or int(needed.max()) > self.page_table.shape[1]:
+            return False
+        used = torch.arange(self.page_table.shape[1]) < needed[:, None]
+        return not bool((used & ((self.page_table < 0) | (self.page_table >= num_pages))).any())
+
+    def _row_problem(self, num_pages: int, page_size: int) -> str | None:
         new_lens = (self.new_offsets[1:] - self.new_offsets[:-1]).tolist()
         cached = self.cached_lens.tolist()
         for b in range(self.num_users):
@@ -113,10 +132,6 @@ class PagedBatch:
             row = self.page_table[b, :needed]
             if needed and (int(row.min()) < 0 or int(row.max()) >= num_pages):
                 return f"user {b} page_row: expected page ids in [0, {num_pages - 1}], got {row.tolist()}"
-        if self.new_tokens.numel() and (int(self.new_tokens.min()) < 1 or int(self.new_tokens.max()) >= vocab_size):
-            return f"new_tokens: expected token ids in [1, {vocab_size - 1}]"
-        if int(self.candidates.min()) < 1 or int(self.candidates.max()) >= item_vocab:
-            return f"candidates: expected item ids in [1, {item_vocab - 1}]"
         return None
 
     def graph_inputs(self, kv_pool: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,7 @@
 #            against the float32 reference (perf_analyzer's cannot be)
 #   profile  deploy/bench/profile.py --serve on the first config: perf_analyzer (unary) on each model
 #            at c=$PROFILE_CONCURRENCY (default 1 32), every stub sampled with py-spy meanwhile: each
-#            model's hottest functions, and each step's mean batch and ms per execute
+#            model's hottest functions, and each step's mean batch and ms per execute; $PROFILE_ARGS e.g. "--models hstu_ranking"
 #   flexkv   builds FlexKV from $FLEXKV_SRC (deploy/build_flexkv.sh; $FLEXKV_BUILD_ARGS, e.g.
 #            "--wheels DIR --liburing DIR" on an air-gapped host), runs the flexkv store cases and
 #            the --store flexkv serving tests (tests/integration/test_serve_flexkv.py), the store
@@ -100,7 +100,7 @@ for stage in "${STAGES[@]}"; do
   if [ "$stage" = profile ]; then
     name="${CONFIGS%% *}"
     python3 -m deploy.bench.profile --serve --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
-      --pool-pages "$POOL_PAGES" --concurrency ${PROFILE_CONCURRENCY:-1 32} --out-dir "$OUT/profile-$name" 2>&1 \
+      --pool-pages "$POOL_PAGES" --concurrency ${PROFILE_CONCURRENCY:-1 32} ${PROFILE_ARGS:-} --out-dir "$OUT/profile-$name" 2>&1 \
       | grep -v " INFO " | tee "$OUT/gpu-profile-$name.log" || status=1
   fi
   for name in $CONFIGS; do

@@ -137,9 +137,9 @@ def serve_and_profile(args: argparse.Namespace) -> bool:
     ok = True
     with server:
         # warm every model once (first calls, the AOTI package's first shapes)
-        run_perf_analyzer(server.grpc_url, ENSEMBLE, 1, data, args.out_dir / "warm.csv", 2000)
-        run_perf_analyzer(server.grpc_url, MONOLITHIC, 1, data, args.out_dir / "warm-mono.csv", 2000)
-        for model in (ENSEMBLE, MONOLITHIC):
+        for model in args.models:
+            run_perf_analyzer(server.grpc_url, model, 1, data, args.out_dir / f"warm-{model}.csv", 2000)
+        for model in args.models:
             for c in args.concurrency:
                 point = args.out_dir / f"{model}-c{c}"
                 before = read_model_stats(server.http_url)
@@ -153,13 +153,19 @@ def serve_and_profile(args: argparse.Namespace) -> bool:
                 print(f"== {model} c={c}: {result.throughput:.1f} req/s, p50 {result.percentile_ms.get(50, float('nan')):.2f}"
                       f" ms, p99 {result.p99_ms:.2f} ms" + (f" (perf_analyzer failed: {result.error})" if result.error else ""))
                 for name, hop in sorted(steps.items()):
-                    ms = hop.ms_per_request
-                    per_exec = ms["compute_infer"] * hop.requests / hop.executions if hop.executions else float("nan")
                     print(f"   {name}: {hop.requests} requests in {hop.executions} executes (mean batch "
-                          f"{hop.mean_batch_size:.1f}), {per_exec:.2f} ms per execute, queue {ms['queue']:.2f} ms "
-                          f"per request", flush=True)
+                          f"{hop.mean_batch_size:.1f}), {ms_per_execute(hop):.2f} ms per execute, queue "
+                          f"{hop.ms_per_request['queue']:.2f} ms per request", flush=True)
                 ok = ok and result.returncode == 0
     return ok
+
+
+def ms_per_execute(hop) -> float:
+    """Mean compute_infer ms of one execute (Triton's per-batch-size table)."""
+    executions = sum(b.executions for b in hop.batches.values())
+    if not executions:  # no dynamic batching: each request is an execute
+        return hop.ms_per_request["compute_infer"]
+    return sum(b.ms_per_execution * b.executions for b in hop.batches.values()) / executions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native", action="store_true", help="also C/C++ frames (the stub's IPC, torch)")
     serve = parser.add_argument_group("--serve: start a server and load it with perf_analyzer")
     serve.add_argument("--serve", action="store_true")
+    serve.add_argument("--models", nargs="+", choices=(ENSEMBLE, MONOLITHIC), default=[ENSEMBLE, MONOLITHIC])
     serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     serve.add_argument("--interval-ms", type=int, default=6000,
                        help="perf_analyzer's window (3 per point); sampling starts after the first")

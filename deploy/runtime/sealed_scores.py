@@ -18,11 +18,26 @@ _MODULUS = 1 << 24  # float32 holds every integer below it exactly
 
 def seal(scores: torch.Tensor) -> torch.Tensor:
     """``[c, num_tasks]`` float32 scores -> ``[c + 1, num_tasks]`` with the checksum row."""
-    check = torch.zeros(1, scores.shape[1], dtype=torch.float32)
-    check[0, 0] = _checksum(scores)
-    if scores.shape[1] > 1:
-        check[0, 1] = scores.shape[0]
-    return torch.cat([scores, check])
+    return seal_batch(scores, [scores.shape[0]])[0]
+
+
+def seal_batch(scores: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """``seal`` of each request's rows of a batch's ``[sum c, num_tasks]`` scores (``counts``:
+    each request's c, in order), in a few tensor ops for the whole batch."""
+    rows, tasks = scores.shape
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    # each request's checksum: a prefix sum of the rows' bit-pattern sums, read at its bounds
+    bits = torch.cat([torch.zeros(1, dtype=torch.int64),
+                      scores.contiguous().view(torch.int32).to(torch.int64).sum(dim=1).cumsum(0)])
+    sums = (bits[ends] - bits[ends - torch.tensor(counts)]) % _MODULUS
+    out = torch.zeros(rows + len(counts), tasks, dtype=torch.float32)
+    request_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=rows)
+    out[torch.arange(rows) + request_of_row] = scores
+    check_rows = ends + torch.arange(len(counts))  # request b's check row follows its c rows
+    out[check_rows, 0] = sums.to(torch.float32)
+    if tasks > 1:
+        out[check_rows, 1] = torch.tensor(counts, dtype=torch.float32)
+    return list(torch.split(out, [c + 1 for c in counts]))
 
 
 def unseal(sealed: torch.Tensor) -> torch.Tensor | None:

@@ -241,11 +241,12 @@ class TritonPythonModel:
                                 page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
 
     def _score(self, pool: PagePool, items: list[ComputePlan]) -> list[torch.Tensor]:
+        """Each request's scores, sealed (`sealed_scores`): [c + 1, num_tasks]."""
         batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])
         # To the host: the copy waits for the KV writes queued before it (kv_offload commits them
         # next), and a host tensor leaves the Python backend without a CUDA IPC handle per output.
         scores = self.run(pool.tensor, batch).cpu()  # [sum c, num_tasks]
-        return list(torch.split(scores, [int(r.candidates.numel()) for r in items]))
+        return sealed_scores.seal_batch(scores, [int(r.candidates.numel()) for r in items])
 
     def _score_alone(self, pool: PagePool, item: ComputePlan):
         try:
@@ -257,9 +258,9 @@ class TritonPythonModel:
             # other than the owner wrote it (it validated the request): resending it is right.
             return error_response(f"hstu_compute: {e}", retryable=isinstance(e, ValueError))
 
-    def _response(self, scores: torch.Tensor):
+    def _response(self, sealed: torch.Tensor):
         return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("candidate_scores", sealed_scores.seal(scores).unsqueeze(0)),  # [1, c + 1, num_tasks]
+            output_tensor("candidate_scores", sealed.unsqueeze(0)),  # [1, c + 1, num_tasks]
         ])
 
     def _abort(self, lease_id: int) -> None:
