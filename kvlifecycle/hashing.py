@@ -120,7 +120,9 @@ def chain_key(parent: bytes, page_tokens: TokenIds, namespace: str | bytes) -> b
 
 def tokens_as_int64(token_ids: TokenIds) -> np.ndarray:
     """A 1-D int64 numpy view or copy of ``token_ids`` (list, numpy array or CPU tensor)."""
-    if isinstance(token_ids, torch.Tensor):
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int64:
+        array = token_ids  # the serving path's case: no conversion at all
+    elif isinstance(token_ids, torch.Tensor):
         array = token_ids.detach().to("cpu", torch.int64).numpy()
     else:
         array = np.asarray(token_ids, dtype=np.int64)

@@ -12,7 +12,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute.tokens import check_request, ids_in_range, looks_corrupted_in_transit  # the one place that knows the id rules
-from deploy.runtime.schema import RETRYABLE
+from deploy.runtime.schema import ENSEMBLE_INPUTS, RETRYABLE
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,16 @@ def input_tensor(request, name: str) -> torch.Tensor:
     if tensor is None:
         raise BadRequest(f"missing input '{name}'")
     return torch.from_dlpack(tensor.to_dlpack()).clone()
+
+
+def input_tensors(request, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """``input_tensor`` of each of ``names``, the request's inputs listed once (each
+    ``get_input_tensor_by_name`` lists them all again)."""
+    given = {tensor.name(): tensor for tensor in request.inputs()}
+    missing = [name for name in names if name not in given]
+    if missing:
+        raise BadRequest(f"missing input '{missing[0]}'")
+    return [torch.from_dlpack(given[name].to_dlpack()).clone() for name in names]
 
 
 def input_view(request, name: str) -> torch.Tensor:
@@ -75,6 +85,9 @@ def error_response(message: str, retryable: bool = False) -> "pb_utils.Inference
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
+RANKING_INPUTS = tuple(spec.name for spec in ENSEMBLE_INPUTS)  # user_id, item_ids, action_ids, candidate_ids
+
+
 @dataclass
 class RankingInputs:
     """One user's request, validated: ids in range, lengths consistent, sizes within limits."""
@@ -101,11 +114,9 @@ def read_ranking_batch(requests: list, config) -> list["RankingInputs | BadReque
     out: list[RankingInputs | BadRequest] = []
     for request in requests:
         try:
-            user = input_tensor(request, "user_id").reshape(-1)
+            user, items, actions, candidates = (t.reshape(-1) for t in input_tensors(request, RANKING_INPUTS))
             if user.numel() != 1:
                 raise BadRequest(f"user_id: expected shape [1], got {list(user.shape)}")
-            items, actions, candidates = (input_tensor(request, name).reshape(-1)
-                                          for name in ("item_ids", "action_ids", "candidate_ids"))
             r = RankingInputs(int(user.item()), items, actions, candidates)
             n, c = items.numel(), candidates.numel()
             # every rule but the id ranges: cheap per request

@@ -25,7 +25,7 @@ from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import error_response, input_tensor, input_view, output_tensor
+from deploy.runtime.triton_io import error_response, input_tensors, input_view, output_tensor
 from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
 from kvlifecycle import ops
 from kvlifecycle.offload_worker import OffloadWorker
@@ -64,9 +64,10 @@ class TritonPythonModel:
         lease_ids, histories = [], []  # of the requests read
         for i, request in enumerate(requests):
             try:
-                scores = sealed_scores.unseal(input_tensor(request, "candidate_scores")[0])  # [c, num_tasks]
+                sealed, items, actions = input_tensors(request, ("candidate_scores", "item_ids", "action_ids"))
+                scores = sealed_scores.unseal(sealed[0])  # [c, num_tasks]
                 lease_ids.append(ComputePlan.lease_id_of(input_view(request, "compute_plan")))
-                histories.append(tuple(input_tensor(request, name).reshape(-1) for name in ("item_ids", "action_ids")))
+                histories.append((items.reshape(-1), actions.reshape(-1)))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
                 responses[i] = error_response(f"kv_offload: {e}")
