@@ -43,13 +43,12 @@ from torch.export import Dim
 from compute import model as model_module
 from compute.batch import PagedBatch
 from compute.checkpoint import ensure_checkpoint, fingerprint, load_model
-from compute.config import HSTUConfig
+from compute.config import DEFAULT_MODEL_DIR, HSTUConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL_DIR", "build", "build_key", "check_no_input_mutation", "main", "package_path", "read_build_key"]
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "hstu_compute" / "1"
 GPU_HOST_CXX = "/usr/bin/g++"  # the GPU image's default compiler builds packages that segfault on load
 GPU_HOST_CC = "/usr/bin/gcc"
 

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["CONFIG_FILENAME", "DTYPES", "HSTUConfig"]
 
 CONFIG_FILENAME = "hstu_config.json"
+# The shipped model: hstu_compute's version folder in the model repository (hstu-build's and the
+# serving settings' default).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "hstu_compute" / "1"
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,

@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from compute.config import CONFIG_FILENAME
+from compute.config import CONFIG_FILENAME, DEFAULT_MODEL_DIR
 from kvlifecycle.rpc import TIMEOUTS, Timeouts
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-DEFAULT_MODEL_DIR = DEFAULT_MODEL_REPOSITORY / "hstu_compute" / "1"
+DEFAULT_MODEL_REPOSITORY = DEFAULT_MODEL_DIR.parents[1]
 DEVICES = ("cpu", "cuda")
 
 _PREFIX = "HSTU_"
