@@ -90,7 +90,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="hstu-cluster-"))
-        self.master: Any = None  # kvlifecycle.store.mooncake.MasterProcess
+        self.master: Any = None  # kvlifecycle.store.processes.MasterProcess
         self.node: subprocess.Popen | None = None
         self.nginx: subprocess.Popen | None = None
         self.servers: list[Server] = []
@@ -195,7 +195,7 @@ class Cluster:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _start_master(self) -> None:
-        from kvlifecycle.store.mooncake import start_master
+        from kvlifecycle.store.processes import start_master
 
         self.master = start_master(self.config.mooncake_port, log_path=self.run_dir / "mooncake-master.log",
                                    ready_timeout_s=30.0)

@@ -30,7 +30,7 @@ from deploy.bench.report import write_dated_report
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.rpc import default_endpoint
-from kvlifecycle.store.embedded import STORE_PROGRAM, StoreProcess, start_store_process
+from kvlifecycle.store.processes import STORE_PROGRAM, StoreProcess, start_store_process
 
 logger = logging.getLogger(__name__)
 

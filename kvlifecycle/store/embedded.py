@@ -28,15 +28,10 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,7 +44,7 @@ from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StoreProcessClient", "StoreProcess", "start_store_process"]
+__all__ = ["StoreProcessClient"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
 
@@ -354,66 +349,4 @@ class StoreProcessClient(HostStoreClient):
         self._counters["errors"] += 1
         self._counters[f"rpc_{reply['rpc'].value}"] += 1
         logger.warning("host store refused %s: %s (%s)", what, reply["rpc"].value, reply.get("error", ""))
-
-
-@dataclass
-class StoreProcess:
-    """A store server child process started by ``start_store_process``."""
-
-    proc: subprocess.Popen
-    endpoint: str
-    log_path: Path
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM (flushes the disk queue), then SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.error("store pid %d ignored SIGTERM for %.0f s; killing it", self.proc.pid, timeout_s)
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-STORE_PROGRAM = ("-m", "kvlifecycle.store")  # the store server's command, after the interpreter
-
-
-def start_store_process(endpoint: str, dram_bytes: int = 2 << 30, disk_dir: Path | None = None,
-                        extra_args: Sequence[str] = (), log_path: Path | None = None,
-                        ready_timeout_s: float = 30.0, program: Sequence[str] = STORE_PROGRAM) -> StoreProcess:
-    """Start a store server (``python -m kvlifecycle.store``, or ``program``: any entry point
-    taking its options) with the local backing and ``extra_args``; wait until it answers ``ping``."""
-    cmd = [sys.executable, *program, "--endpoint", endpoint, "--dram-bytes", str(dram_bytes)]
-    if disk_dir is not None:
-        cmd += ["--disk-dir", str(disk_dir)]
-    cmd += list(extra_args)
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="kvstore-", suffix=".log")
-        os.close(fd)
-        log_path = Path(name)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    handle = StoreProcess(proc, endpoint, log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    sock_path = Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
-    while sock_path is not None and not sock_path.exists() and proc.poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.02)
-    probe = StoreProcessClient(endpoint, page_size=2, rpc_timeout_s=0.5, retry_interval_s=0.0)
-    try:
-        while not probe.ping():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                handle.kill()
-                raise RuntimeError(f"store server did not start ({' '.join(cmd[:6])} ...); log "
-                                   f"{log_path}:\n{log_path.read_text()[-2000:]}")
-    finally:
-        probe.close()
-    return handle
 

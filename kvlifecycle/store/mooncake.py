@@ -38,13 +38,12 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,8 +54,7 @@ from kvlifecycle.store.transfer import PageCopier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeBacking", "MooncakeConfig", "MasterProcess", "start_master", "load_mooncake",
-           "MooncakeUnavailable"]
+__all__ = ["MooncakeBacking", "MooncakeConfig", "load_mooncake", "MooncakeUnavailable"]
 
 # Entry points of libcuda that mooncake's store.so links (nm -D --undefined-only store.so).
 _CUDA_DRIVER_SYMBOLS = (
@@ -288,54 +286,6 @@ class MooncakeBacking(Backing):
         return [base + i * self._page_bytes for i in range(n)], [self._page_bytes] * n
 
 
-@dataclass
-class MasterProcess:
-    """A ``mooncake_master`` child process (loopback)."""
-
-    proc: subprocess.Popen
-    address: str
-    log_path: Path
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_master(port: int | None = None, log_path: Path | None = None, ready_timeout_s: float = 10.0,
-                 extra_args: Sequence[str] = ()) -> MasterProcess:
-    """Start ``mooncake_master`` on 127.0.0.1 (a free port unless given) and wait for its port."""
-    binary = shutil.which("mooncake_master") or str(Path(os.__file__).parent / "mooncake_master")
-    venv_bin = Path(sys.executable).parent / "mooncake_master"
-    if venv_bin.exists():
-        binary = str(venv_bin)
-    port = port or _free_port()
-    metrics_port = _free_port()
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
-        os.close(fd)
-        log_path = Path(name)
-    cmd = [binary, f"--rpc_port={port}", f"--metrics_port={metrics_port}", "--rpc_address=127.0.0.1",
-           "--enable_metric_reporting=false", *extra_args]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    master = MasterProcess(proc, f"127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return master
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                master.stop()
-                raise RuntimeError(f"mooncake_master did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-
 # ---------------------------------------------------------------------------------------
 # helpers
 
@@ -358,12 +308,6 @@ def _port_open(address: str, timeout_s: float = 0.2) -> bool:
             return True
     except OSError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _preload_cuda_standins() -> None:

@@ -27,7 +27,7 @@ from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.runtime.settings import ServingSettings
 from deploy.trace import TraceConfig, generate
 from kvlifecycle.store import open_store
-from kvlifecycle.store.mooncake import start_master
+from kvlifecycle.store.processes import start_master
 from tests.conftest import free_ports
 from tests.integration.test_ensemble import assert_matches_reference, metric
 

@@ -15,7 +15,7 @@ import torch
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.rpc import default_endpoint
 from kvlifecycle.store import Status, open_store
-from kvlifecycle.store.embedded import start_store_process
+from kvlifecycle.store.processes import start_store_process
 from kvlifecycle.store.flexkv import flexkv_unavailable_reason
 
 REASON = flexkv_unavailable_reason() or (None if torch.cuda.is_available() else "no CUDA device")

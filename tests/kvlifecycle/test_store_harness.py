@@ -19,7 +19,7 @@ import torch
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.store import HostStoreClient, open_store
 from kvlifecycle.rpc import default_endpoint
-from kvlifecycle.store.embedded import STORE_PROGRAM, start_store_process
+from kvlifecycle.store.processes import STORE_PROGRAM, start_store_process
 
 SPEC = PoolSpec(num_layers=2, num_pages=32, page_size=4, num_heads=2, head_dim=8)  # 1 KiB pages
 NS = "model-fingerprint-a"
@@ -118,7 +118,7 @@ class MooncakeHarness:
 
     def __init__(self, pool: PagePool, capacity_pages: int | None = None, copy_delay_s: float = 0.0,
                  disk_dir: Path | None = None, dedicated: bool = False) -> None:
-        from kvlifecycle.store.mooncake import start_master
+        from kvlifecycle.store.processes import start_master
 
         if disk_dir is not None:
             pytest.skip("mooncake: the disk tier is the local backing's")
@@ -139,7 +139,7 @@ class MooncakeHarness:
             _SHARED_MOONCAKE.update(master=self.master, endpoint=self.endpoint, proc=self.proc)
 
     def start(self) -> None:
-        from kvlifecycle.store.mooncake import start_master
+        from kvlifecycle.store.processes import start_master
 
         self.master = start_master(int(self.master.address.rpartition(":")[2]))
 

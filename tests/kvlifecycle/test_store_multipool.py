@@ -13,7 +13,8 @@ import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store import Status, open_store
-from kvlifecycle.store.embedded import StoreProcessClient, start_store_process
+from kvlifecycle.store.embedded import StoreProcessClient
+from kvlifecycle.store.processes import start_store_process
 from kvlifecycle.store.protocol import pool_id
 
 from tests.helpers import wait_for

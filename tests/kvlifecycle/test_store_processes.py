@@ -18,7 +18,7 @@ import zmq
 from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.api import select_pages
-from kvlifecycle.store.embedded import start_store_process
+from kvlifecycle.store.processes import start_store_process
 from kvlifecycle.rpc import RpcStatus, decode
 
 from .test_store_harness import NS, SPEC, fill_random, slots, store_program, tokens

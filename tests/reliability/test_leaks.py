@@ -11,7 +11,8 @@ import numpy as np
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.rpc import default_endpoint
-from kvlifecycle.store.embedded import StoreProcessClient, start_store_process
+from kvlifecycle.store.embedded import StoreProcessClient
+from kvlifecycle.store.processes import start_store_process
 
 LOOKUPS = 2000
 TOKENS = 4096  # 32 KiB of int64 per request

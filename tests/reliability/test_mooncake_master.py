@@ -34,7 +34,7 @@ class Master:
     """A `mooncake_master` on one loopback port, killed and restarted there."""
 
     def __init__(self, log_path: Path) -> None:
-        from kvlifecycle.store.mooncake import start_master
+        from kvlifecycle.store.processes import start_master
 
         self.log_path = log_path
         self.process = start_master(log_path=log_path)
@@ -45,7 +45,7 @@ class Master:
         self.process.proc.wait()
 
     def restart(self) -> None:
-        from kvlifecycle.store.mooncake import start_master
+        from kvlifecycle.store.processes import start_master
 
         self.process = start_master(self.port, log_path=self.log_path)
 
