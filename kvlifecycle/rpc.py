@@ -108,6 +108,14 @@ class Timeouts:
 TIMEOUTS = Timeouts()
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); ValueError when it is not one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
 def encode(header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> list[bytes]:
     """Frames for ``header`` plus named int64 arrays (the leading empty delimiter included)."""
     arrays = arrays or {}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from compute.config import CONFIG_FILENAME, DEFAULT_MODEL_DIR
-from kvlifecycle.rpc import TIMEOUTS, Timeouts
+from kvlifecycle.rpc import TIMEOUTS, Timeouts, split_host_port
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -163,8 +163,11 @@ class ServingSettings:
 
 
 def _is_host_port(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    try:
+        split_host_port(address)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse(name: str, raw: str, kind: type) -> object:

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvlifecycle.rpc import split_host_port
 from kvlifecycle.store.api import Status
 from kvlifecycle.store.backing import Backing, BackingFactory
 from kvlifecycle.store.transfer import PageCopier
@@ -108,9 +109,10 @@ class MooncakeConfig:
     retry_interval_s: float = 1.0  # after a failure, no setup before this
 
     def __post_init__(self) -> None:
-        host, _, port = self.master_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--mooncake-master: expected the master's HOST:PORT, got {self.master_address!r}")
+        try:
+            split_host_port(self.master_address)
+        except ValueError:
+            raise ValueError(f"--mooncake-master: expected the master's HOST:PORT, got {self.master_address!r}") from None
         if self.segment_bytes < 0:
             raise ValueError(f"--mooncake-segment-bytes: expected >= 0, got {self.segment_bytes}")
         if self.staging_pages < 1:
@@ -302,9 +304,8 @@ def _close_quietly(store: Any) -> None:
 
 
 def _port_open(address: str, timeout_s: float = 0.2) -> bool:
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection(split_host_port(address), timeout=timeout_s):
             return True
     except OSError:
         return False

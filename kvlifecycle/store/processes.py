@@ -20,7 +20,20 @@ from kvlifecycle.store.embedded import StoreProcessClient
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORE_PROGRAM", "MasterProcess", "StoreProcess", "start_master", "start_store_process"]
+__all__ = ["STORE_PROGRAM", "MasterProcess", "StoreProcess", "start_master", "start_store_process", "stop_process"]
+
+
+def stop_process(proc: subprocess.Popen, name: str, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.error("%s pid %d ignored SIGTERM for %.0f s; killing it", name, proc.pid, timeout_s)
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @dataclass
@@ -33,15 +46,7 @@ class StoreProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (flushes the disk queue), then SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.error("store pid %d ignored SIGTERM for %.0f s; killing it", self.proc.pid, timeout_s)
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, "store", timeout_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -93,14 +98,8 @@ class MasterProcess:
     address: str
     log_path: Path
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, timeout_s: float = 10.0) -> int:
+        return stop_process(self.proc, "mooncake_master", timeout_s)
 
 
 def start_master(port: int | None = None, log_path: Path | None = None, ready_timeout_s: float = 10.0,
