@@ -44,6 +44,7 @@ from compute import model as model_module
 from compute.batch import PagedBatch
 from compute.checkpoint import ensure_checkpoint, fingerprint, load_model
 from compute.config import DEFAULT_MODEL_DIR, HSTUConfig
+from compute.files import replace_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +156,7 @@ def _key_filename(device: str) -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, sort_keys=True, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(data, sort_keys=True, indent=2) + "\n"))
 
 
 def _sample_inputs(config: HSTUConfig, device: str) -> tuple[torch.Tensor, ...]:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from compute.config import HSTUConfig
+from compute.files import replace_atomically
 from compute.model import HSTUModel
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,8 @@ def save_checkpoint(model: HSTUModel, model_dir: str | os.PathLike) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.config.save(folder)
     target = folder / CHECKPOINT_FILENAME
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    torch.save(state, tmp)
-    os.replace(tmp, target)
+    replace_atomically(target, lambda tmp: torch.save(state, tmp))
     logger.info("saved checkpoint %s", target)
     return target
 

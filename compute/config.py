@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from compute.files import replace_atomically
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CONFIG_FILENAME", "DTYPES", "HSTUConfig"]
@@ -102,9 +104,7 @@ class HSTUConfig:
     def save(self, path: str | os.PathLike) -> Path:
         """Writes ``to_json()`` to ``path`` (or ``path/hstu_config.json`` for a folder), atomically."""
         target = _config_path(path)
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, target)
+        replace_atomically(target, lambda tmp: tmp.write_text(self.to_json()))
         return target
 
     @classmethod

@@ -14,18 +14,17 @@ and notice when it changes. A file is written atomically: a reader never sees ha
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from compute.files import replace_atomically
 
 WAIT_S = 120.0
 
 
 def publish(path: Path, data: dict[str, Any]) -> None:
-    tmp = Path(f"{path}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    replace_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(data)))
 
 
 def unpublish(path: Path) -> None:
