@@ -28,11 +28,7 @@ CONFIG_FILENAME = "hstu_config.json"
 # The shipped model: hstu_compute's version folder in the model repository (hstu-build's and the
 # serving settings' default).
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "hstu_compute" / "1"
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names the model runs in
 
 
 @dataclass(frozen=True)
@@ -86,7 +82,7 @@ class HSTUConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def serving_mismatch(self, other: "HSTUConfig") -> list[str]:
         """The fields in which ``other`` cannot serve beside this config: the request limits and

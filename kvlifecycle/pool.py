@@ -57,13 +57,7 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvlifecycle-pool-"  # then the creator's pid, "-", a random suffix
 _HANDLE_VERSION = 1
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-}
+POOL_DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8")  # torch dtype names a pool may hold
 
 
 @dataclass(frozen=True)
@@ -90,15 +84,15 @@ class PoolSpec:
                 "PoolSpec.page_size: expected an even number of tokens (a page boundary must "
                 f"fall between events), got {self.page_size}"
             )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"PoolSpec.dtype: expected one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in POOL_DTYPES:
+            raise ValueError(f"PoolSpec.dtype: expected one of {sorted(POOL_DTYPES)}, got {self.dtype!r}")
         kind = torch.device(self.device).type
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"PoolSpec.device: expected 'cpu' or 'cuda[:i]', got {self.device!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
