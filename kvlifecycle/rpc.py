@@ -84,6 +84,8 @@ class Timeouts:
     - ``task_start_s``: a store task not started this long after it was sent fails without
       touching the pool, so its pages can be reused after it.
     - ``control_s``: a control-plane call to the page table's owner (commit, abort, offload_done).
+    - ``offload_wait_s``: ``hstu_monolithic`` waits for its request's offload and reaps it inline
+      (the baseline's shape); past it the request is answered and the puts finish later.
 
     Not request-path waits, so not here: the lease TTL (``HSTU_LEASE_TTL_S``), kv_offload's flush
     at unload, and the FlexKV store's start (``flexkv.READY_TIMEOUT_S``).
@@ -94,6 +96,7 @@ class Timeouts:
     store_register_s: float = 10.0
     task_start_s: float = 5.0
     control_s: float = 5.0
+    offload_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -19,8 +19,6 @@ from kvlifecycle.page_table import PoolExhausted
 
 logger = logging.getLogger("hstu_monolithic")
 
-OFFLOAD_WAIT_S = 10.0
-
 
 class TritonPythonModel:
     def initialize(self, args):
@@ -54,7 +52,7 @@ class TritonPythonModel:
             lease_id = None
             if self.offloader is not None and items:
                 self.offloader.launch(hit.namespace, tokens, items)
-                self.offloader.flush(OFFLOAD_WAIT_S)  # wait + reap, on the critical path
+                self.offloader.flush(self.settings.timeouts.offload_wait_s)  # wait + reap, on the critical path
         except BadRequest as e:
             return e.response()
         except PoolExhausted as e:
@@ -69,6 +67,6 @@ class TritonPythonModel:
 
     def finalize(self):
         if self.offloader is not None:
-            self.offloader.flush(OFFLOAD_WAIT_S)
+            self.offloader.flush(self.settings.timeouts.offload_wait_s)
         self.metrics.close()
         self.cache.close()
