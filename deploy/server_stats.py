@@ -16,10 +16,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from deploy.metrics import Metrics
+from kvlifecycle.manager import LOOKUP_OUTCOMES
 from deploy.runtime.schema import LOOKUP, MONOLITHIC, OFFLOAD
 
 TRITON_STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # per request, as Triton counts them
-LOOKUP_OUTCOMES = ("device_hit", "host_hit", "miss")
 CACHE_OWNERS = (LOOKUP, MONOLITHIC)  # the models that look pages up (and publish hstu_kv_lookups_total)
 
 

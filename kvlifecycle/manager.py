@@ -90,6 +90,7 @@ __all__ = [
 DEVICE_HIT = "device_hit"
 HOST_HIT = "host_hit"
 MISS = "miss"
+LOOKUP_OUTCOMES = (DEVICE_HIT, HOST_HIT, MISS)  # counted in stats() as lookups_<outcome>
 
 # The fewest full pages beyond the device prefix worth asking the host store about (at lookup, or
 # at the onboard's launch with ask_store=False). Asking is a round trip to the store process (about

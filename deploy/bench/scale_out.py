@@ -23,6 +23,7 @@ from deploy.launcher import LaunchConfig
 from deploy.metrics import scrape
 from deploy.runtime.schema import ENSEMBLE, LOOKUP
 from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY
+from deploy.server_stats import LOOKUP_OUTCOMES
 from deploy.trace import TraceConfig, generate
 
 
@@ -30,7 +31,7 @@ def lookup_outcomes(metrics_url: str) -> dict[str, float]:
     """kv_lookup_alloc's lookups so far, by outcome (device_hit, host_hit, miss)."""
     metrics = scrape(metrics_url, timeout_s=5)
     return {outcome: metrics.value("hstu_kv_lookups_total", model=LOOKUP, outcome=outcome)
-            for outcome in ("device_hit", "host_hit", "miss")}
+            for outcome in LOOKUP_OUTCOMES}
 
 
 def run(num_servers: int, trace_config: TraceConfig, concurrency: int, base_port: int) -> dict:

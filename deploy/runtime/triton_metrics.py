@@ -38,13 +38,14 @@ from typing import Callable, Iterator
 
 import triton_python_backend_utils as pb_utils
 
+from kvlifecycle.manager import LOOKUP_OUTCOMES
+
 logger = logging.getLogger(__name__)
 
 # stats key -> (metric name, kind, description, extra labels)
 _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
-    "lookups_device_hit": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "device_hit"}),
-    "lookups_host_hit": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "host_hit"}),
-    "lookups_miss": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": "miss"}),
+    **{f"lookups_{outcome}": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": outcome})
+       for outcome in LOOKUP_OUTCOMES},
     "cached_tokens_served": ("hstu_kv_cached_tokens_total", "counter", "History tokens served from the KV cache", {}),
     "onboarded_pages": ("hstu_kv_onboarded_pages_total", "counter", "Pages copied host store -> device pool", {}),
     "pages_free": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "free"}),
@@ -82,7 +83,7 @@ def stage_keys(*stages: str) -> list[str]:
     return [f"stage_{s}_{part}" for s in stages for part in ("s_sum", "count")]
 
 
-OWNER_KEYS = ["lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served", "onboarded_pages",
+OWNER_KEYS = [*(f"lookups_{outcome}" for outcome in LOOKUP_OUTCOMES), "cached_tokens_served", "onboarded_pages",
               "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors",
               "uncommitted_prefix_lookups", "pool_waits", "pool_exhausted"]
 OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
