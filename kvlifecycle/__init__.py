@@ -18,7 +18,7 @@ from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager, LookupResult
 from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import OffloadItem, PoolExhausted
-from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages, slots_for_positions
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 
 __all__ = [
     "KVCacheManager",
@@ -31,5 +31,4 @@ __all__ = [
     "PoolSpec",
     "page_keys",
     "slots_for_pages",
-    "slots_for_positions",
 ]

@@ -18,7 +18,6 @@ Python's builtin ``hash()`` is never used: it is salted per process.
 
 Operations:
 - ``page_keys(token_ids, namespace, page_size)``: keys of every full page of a prefix.
-- ``chain_key(parent, page_tokens, namespace)``: one step of the chain.
 - ``namespace_tag(namespace)``: the namespace as one int64, for a tensor that carries a lease's
   namespace between processes (the compute checks it against its own). Memoized.
 - ``PrefixKeys``: ``page_keys`` for a process that sees each user's history again and again
@@ -43,7 +42,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "PrefixKeys", "TokenIds", "chain_key", "namespace_tag", "page_keys",
+__all__ = ["KEY_BYTES", "ROOT_KEY", "SEED", "PrefixKeys", "TokenIds", "namespace_tag", "page_keys",
            "tokens_as_int64"]
 
 KEY_BYTES = 16
@@ -109,13 +108,6 @@ class PrefixKeys:
             while self._tokens > self.max_tokens:
                 _, (dropped, _) = self._users.popitem(last=False)
                 self._tokens -= dropped.size
-
-
-def chain_key(parent: bytes, page_tokens: TokenIds, namespace: str | bytes) -> bytes:
-    """The key of a page whose predecessor has key ``parent`` (``ROOT_KEY`` for page 0)."""
-    assert len(parent) == KEY_BYTES, f"chain_key: expected a {KEY_BYTES}-byte parent, got {len(parent)}"
-    tokens = tokens_as_int64(page_tokens)
-    return _chain(parent, _namespace_bytes(namespace), tokens.astype("<i8", copy=False).tobytes())
 
 
 def tokens_as_int64(token_ids: TokenIds) -> np.ndarray:

@@ -50,7 +50,6 @@ __all__ = [
     "PoolSpec",
     "PagePool",
     "slots_for_pages",
-    "slots_for_positions",
 ]
 
 SHM_DIR = "/dev/shm"
@@ -141,13 +140,8 @@ class PagePool:
     # -- public API ---------------------------------------------------------------------
 
     @classmethod
-    def create(cls, spec: PoolSpec, device: str | None = None) -> "PagePool":
-        """Allocate a zero-filled pool. ``device``, when given, must agree with ``spec.device``
-        (kept for the ``create(spec, device)`` call shape of ARCHITECTURE.md)."""
-        if device is not None and torch.device(device) != torch.device(spec.device):
-            raise ValueError(
-                f"PagePool.create: device {device!r} disagrees with spec.device {spec.device!r}"
-            )
+    def create(cls, spec: PoolSpec) -> "PagePool":
+        """Allocate a zero-filled pool on ``spec.device``."""
         if torch.device(spec.device).type == "cpu":
             return cls._create_shm(spec)
         return cls._create_cuda(spec)
@@ -259,19 +253,6 @@ def slots_for_pages(page_ids: Sequence[int] | torch.Tensor, page_size: int) -> t
     pages = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1, 1)  # [P, 1]
     offsets = torch.arange(page_size, dtype=torch.int64).reshape(1, -1)  # [1, S]
     return (pages * page_size + offsets).reshape(-1)  # [P * S]
-
-
-def slots_for_positions(page_row: Sequence[int] | torch.Tensor, start: int, end: int,
-                        page_size: int) -> torch.Tensor:
-    """int64 [end - start]: slots of token positions ``[start, end)`` of a user whose pages
-    are ``page_row`` (slot = page_row[p // page_size] * page_size + p % page_size)."""
-    row = torch.as_tensor(page_row, dtype=torch.int64)
-    assert 0 <= start <= end <= row.numel() * page_size, (
-        f"slots_for_positions: expected 0 <= start <= end <= {row.numel() * page_size}, "
-        f"got start={start} end={end}"
-    )
-    positions = torch.arange(start, end, dtype=torch.int64)
-    return row[positions // page_size] * page_size + positions % page_size
 
 
 def _map_shm(path: str, spec: PoolSpec) -> torch.Tensor:

@@ -53,23 +53,20 @@ Backends (``open_store(kind, **cfg)``):
   of its own (``python -m kvlifecycle.store.flexkv``), reached with the embedded protocol; the
   owner also registers its pool's memory with FlexKV's transfer engine (``flexkv.py``).
   cfg: as ``embedded``, plus ``owned_pool`` (the ``PagePool`` this process allocated).
-- ``none``: holds nothing; matches are empty, puts succeed and are dropped, gets NOTFOUND.
+- ``none``: no host tier and no client: the caller serves from the device cache alone
+  (``KVCacheManager(store=None)``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
-
-from kvlifecycle.hashing import TokenIds, tokens_as_int64
-from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Status, select_pages
+from kvlifecycle.store.api import HostStoreClient, Status
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Status", "HostStoreClient", "open_store", "NullStoreClient", "STORE_KINDS"]
+__all__ = ["Status", "HostStoreClient", "open_store", "STORE_KINDS"]
 
 STORE_KINDS = ("embedded", "mooncake", "flexkv", "none")
 
@@ -84,56 +81,5 @@ def open_store(kind: str = "embedded", **cfg: Any) -> HostStoreClient:
         from kvlifecycle.store.flexkv import FlexKVStoreClient
         return FlexKVStoreClient(**cfg)
     if kind == "none":
-        return NullStoreClient(**cfg)
+        raise ValueError("open_store kind 'none' has no client: serve without one (store=None)")
     raise ValueError(f"open_store kind: expected one of {STORE_KINDS}, got {kind!r}")
-
-
-class NullStoreClient(HostStoreClient):
-    """The ``none`` backend: a store of zero capacity. Ordering is trivially kept: every task
-    is done when its call returns."""
-
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
-        self._ids = itertools.count(1)
-        self._done: dict[int, Status] = {}
-
-    def register_pool(self, handle: dict[str, Any]) -> bool:
-        return True
-
-    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
-        task_id = next(self._ids)
-        self._done[task_id] = Status.SUCCESS
-        return task_id, np.zeros(tokens_as_int64(token_ids).size, dtype=bool)
-
-    def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds | None = None) -> int:
-        select_pages(token_ids, slot_mapping, token_mask, self.page_size, "put_async")
-        return self._finish(Status.SUCCESS)
-
-    def get_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                  token_mask: TokenIds) -> int:
-        sel = select_pages(token_ids, slot_mapping, token_mask, self.page_size, "get_async")
-        return self._finish(Status.NOTFOUND if sel.seq_pages.size else Status.SUCCESS)
-
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
-        return None
-
-    def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
-        return self.try_wait(task_ids)
-
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
-        return {t: self._done.pop(t, Status.FAILED) for t in task_ids}
-
-    def cancel(self, task_ids: Sequence[int]) -> None:
-        return None
-
-    def stats(self) -> dict[str, Any]:
-        return {"backend": "none"}
-
-    def close(self) -> None:
-        return None
-
-    def _finish(self, status: Status) -> int:
-        task_id = next(self._ids)
-        self._done[task_id] = status
-        return task_id

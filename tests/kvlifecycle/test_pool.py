@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kvlifecycle.pool import SHM_PREFIX, PagePool, PoolSpec, slots_for_pages, slots_for_positions, sweep_orphaned_pools
+from kvlifecycle.pool import SHM_PREFIX, PagePool, PoolSpec, slots_for_pages, sweep_orphaned_pools
 
 
 def test_attach_sees_creator_bytes_and_close_unlinks(tiny_spec):
@@ -54,16 +54,6 @@ def test_spec_rejects(field, value, match):
 ])
 def test_slots_for_pages(page_ids, expected):
     assert slots_for_pages(page_ids, 4).tolist() == expected
-
-
-@pytest.mark.parametrize("start,end,expected", [
-    (0, 0, []),
-    (0, 3, [20, 21, 22]),
-    (3, 6, [23, 4, 5]),
-    (6, 8, [6, 7]),
-])
-def test_slots_for_positions(start, end, expected):
-    assert slots_for_positions([5, 1], start, end, 4).tolist() == expected
 
 
 def test_sweep_removes_only_pools_whose_creator_is_gone(tmp_path):
