@@ -142,7 +142,10 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
 
 def test_wake_has_the_idle_thread_ask_the_store_at_once():
     """kv_lookup_alloc starts an onboard and wakes the control thread: the store is asked and the
-    copy settled within milliseconds, not at the idle thread's next timeout (5 s here)."""
+    copy settled on the wake, not at the idle thread's next timeout. Here that timeout is 30
+    minutes (expire_interval_s=3600), so nothing but the wake can end the idle poll: the thread
+    is seen idle (it found no onboard in flight), the store is still asked nothing after the
+    start, and the onboard settles once woken."""
     pool = torch.zeros(2, 8, 2, 4, 1, 2)
     store = FakeStore(pool, SPEC.page_size)  # FAKE host store: copies when asked
     mgr = KVCacheManager(SPEC, "ns", store)
@@ -151,15 +154,29 @@ def test_wake_has_the_idle_thread_ask_the_store_at_once():
     for key, page in zip(first.keys, first.page_row):  # the host store holds both pages
         store.pages[key] = pool[:, page].clone()
     mgr.abort(first.lease_id)
-    with ControlServer(mgr, default_endpoint("control.sock"), expire_interval_s=10.0) as server:
-        time.sleep(0.05)  # the thread is in its idle poll
+    idle = threading.Event()  # the control thread found no onboard in flight: its next poll is the idle one
+    in_flight = mgr.onboards_in_flight
+
+    def onboards_in_flight() -> int:
+        n = in_flight()
+        if n == 0 and threading.current_thread().name == "kvlifecycle-control":
+            idle.set()
+        return n
+
+    mgr.onboards_in_flight = onboards_in_flight
+    asked: list[str] = []  # the store's copies, by the thread that asked
+    get_async = store.get_async
+    store.get_async = lambda *args: asked.append(threading.current_thread().name) or get_async(*args)
+    with ControlServer(mgr, default_endpoint("control.sock"), expire_interval_s=3600.0) as server:
+        assert idle.wait(10), "the control thread never looked for onboards"
         [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens, ask_store=False))])
-        assert lease.onboarding and not store.tasks, "the start asks the store nothing"
-        started = time.monotonic()
+        assert lease.onboarding and not asked, "the start asks the store nothing"
+        time.sleep(0.2)
+        assert not asked and mgr.onboard_result(lease.lease_id) is None, "the idle thread acted unwoken"
         server.wake()
-        done = wait_for(lambda: mgr.onboard_result(lease.lease_id), 2.0, "the woken thread to settle the onboard",
+        done = wait_for(lambda: mgr.onboard_result(lease.lease_id), 10, "the woken thread to settle the onboard",
                         interval_s=0.001)
-        assert time.monotonic() - started < 1.0
+        assert asked == ["kvlifecycle-control"], asked  # the woken thread asked the store, once
         assert done.onboarded and done.cached_len == 8
 
 
