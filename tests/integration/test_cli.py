@@ -116,10 +116,26 @@ def test_hstu_bench_smoke_run_writes_a_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_bench_control_compares_the_default_and_the_models_gil_switch_interval(tmp_path: Path) -> None:
+    """The comparison the tool reports: one run at the interpreter's default switch interval and
+    one at the models' (`kvlifecycle.gil.SWITCH_INTERVAL_S`), under the same load (requests,
+    owner busy fraction), each a latency distribution (ordered percentiles), printed side by side
+    with the figures written to the report. Which interval wins is a measurement, not checked:
+    at 50 round trips on 2 shared cores the default's p50 came out below the models' in 1 run of 8."""
+    from kvlifecycle.gil import SWITCH_INTERVAL_S
+
     done = run([sys.executable, "-m", "deploy.bench.control", "--requests", "50", "--report-dir", str(tmp_path)])
 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [path] = tmp_path.glob("control-*-cpu.json")
-    runs = json.loads(path.read_text())["runs"]
-    assert [r["switch_interval_s"] for r in runs] == [0.005, 0.0002], runs
-    assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in runs), runs
+    report = json.loads(path.read_text())
+    runs = report["runs"]
+    assert [r["switch_interval_s"] for r in runs] == [0.005, SWITCH_INTERVAL_S], runs  # default, then the models'
+    assert (report["requests"], report["owner_busy"]) == (50, 0.7), report  # both sides under the same load
+    for r in runs:
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] and r["mean_ms"] > 0, r
+    printed = re.findall(r"switch interval ([\d.]+) ms: control round trip mean ([\d.]+) ms, "
+                         r"p50 ([\d.]+), p90 ([\d.]+), p99 ([\d.]+)", done.stdout)
+    assert [tuple(map(float, line)) for line in printed] == [
+        (round(r["switch_interval_s"] * 1e3, 1), *(round(r[f"{k}_ms"], 3) for k in ("mean", "p50", "p90", "p99")))
+        for r in runs], f"the printed comparison is not the report's: {done.stdout}"
+    assert f"wrote {path}" in done.stdout, done.stdout
