@@ -9,6 +9,9 @@ tritonserver reports (Prometheus metrics, per-model statistics).
 - `ModelStats.read(server, model)`: Triton's statistics of one model (`deploy.server_stats`, the
   parser hstu-bench uses too): request counts, executions, and the dynamic batcher's batch
   sizes; subtract two reads for what happened in between.
+- `assert_scores_match(served, expected, tolerance, what)`: served scores against the reference's,
+  the shape first (`np.abs(served - expected)` broadcasts: a (1, T) answer to a 3-candidate request
+  would be compared against every row), then every value.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
+
+import numpy as np
 
 from deploy.metrics import scrape
 from deploy.server_stats import read_model_stats
@@ -42,6 +47,14 @@ def metric(server, name: str, **labels: str) -> float:
     """Sum of the Prometheus series `name` (on `server.metrics_url`) whose labels include
     `labels`; `MissingSeries` when the metrics port shows no such series."""
     return scrape(server.metrics_url, timeout_s=5).value(name, **labels)
+
+
+def assert_scores_match(served, expected: np.ndarray, tolerance: float, what: str) -> None:
+    """`served` has `expected`'s shape and every score within `tolerance` of it."""
+    served = np.asarray(served)
+    assert served.shape == expected.shape, f"{what}: scores of shape {served.shape}, the reference's {expected.shape}"
+    diff = float(np.abs(served - expected).max())
+    assert diff <= tolerance, f"{what}: max abs diff {diff:.2e} vs the reference"
 
 
 @dataclass

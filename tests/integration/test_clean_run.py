@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from deploy.client import check_scores, replay
+from deploy.client import replay
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
+from tests.helpers import assert_scores_match
 
 ERRORS = "hstu_kv_store_errors_total"
 
@@ -22,12 +23,15 @@ def store_error_series(metrics_url: str) -> dict[str, float]:
             for m in re.finditer(rf'^{ERRORS}\{{model="([^"]+)"\}} (\S+)$', text, re.MULTILINE)}
 
 
-def test_a_clean_run_counts_no_store_errors(server):
+def test_a_clean_run_counts_no_store_errors(server, reference):
     trace = generate(TraceConfig(num_users=4, num_requests=16, initial_events_median=40.0, seed=11))
+    expected = [reference.score(r.user_id, r.item_ids, r.action_ids, r.candidate_ids) for r in trace]
     for model in (ENSEMBLE, MONOLITHIC):
         result = replay(trace, server.grpc_url, model=model, concurrency=2)
         assert not result.errors, list(result.errors.items())[:3]
-        assert check_scores(trace, result, server.settings.model_dir) <= 1e-4
+        assert sorted(result.scores) == list(range(len(trace))), f"{model}: {len(result.scores)} of {len(trace)} scored"
+        for i, served in result.scores.items():
+            assert_scores_match(served, expected[i], 1e-4, f"{model} request {i}")
 
     errors = store_error_series(server.metrics_url)
     assert set(errors) >= {"kv_lookup_alloc", "kv_offload", "hstu_monolithic"}, f"missing series: {errors}"
@@ -36,7 +40,6 @@ def test_a_clean_run_counts_no_store_errors(server):
 
 def test_the_ensemble_answers_unary_grpc_and_http_infer(server, reference):
     """No step of the ensemble is decoupled, so plain `/infer` and unary gRPC serve it too."""
-    import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -52,7 +55,5 @@ def test_the_ensemble_answers_unary_grpc_and_http_infer(server, reference):
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         result = client.infer(ENSEMBLE, inputs)
-        scores = result.as_numpy("scores")
-        assert scores.shape == expected.shape
-        assert np.abs(scores - expected).max() <= 1e-4, module.__name__
+        assert_scores_match(result.as_numpy("scores"), expected, 1e-4, module.__name__)
         client.close()

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
@@ -32,6 +31,7 @@ from deploy.launcher import LaunchConfig, Server
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.runtime.settings import ServingSettings
 from tests.conftest import REPO_ROOT, free_ports
+from tests.helpers import assert_scores_match
 
 pytestmark = pytest.mark.integration
 
@@ -267,8 +267,7 @@ def _check_serving(served, reference, user_id: int) -> None:
                 scores = client.score(request)
             except RequestFailed as e:
                 raise AssertionError(f"{what} through the front failed: {e}") from None
-        diff = float(np.abs(scores - expected).max())
-        assert diff <= TOLERANCE, f"{what}: max abs diff {diff:.2e} vs the reference"
+        assert_scores_match(scores, expected, TOLERANCE, what)
     client = httpclient.InferenceServerClient(served["http"])
     try:
         inputs = []
@@ -279,8 +278,7 @@ def _check_serving(served, reference, user_id: int) -> None:
         scores = client.infer(ENSEMBLE, inputs).as_numpy("scores")
     finally:
         client.close()
-    diff = float(np.abs(scores - expected).max())
-    assert diff <= TOLERANCE, f"HTTP /infer: max abs diff {diff:.2e} vs the reference"
+    assert_scores_match(scores, expected, TOLERANCE, "HTTP /infer")
 
 
 def _post(hostport: str, path: str, body: bytes, content_type: str = "application/json",
