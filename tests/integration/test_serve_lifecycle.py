@@ -14,12 +14,12 @@ import pytest
 from deploy.client import RankingClient
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT, free_ports
-from tests.helpers import wait_for
+from tests.helpers import assert_scores_match, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
+def test_ctrl_c_leaves_no_process_behind(tmp_path: Path, reference) -> None:
     http, grpc, metrics = free_ports(3)
     cmd = [str(Path(sys.executable).parent / "hstu-serve"), "--http-port", str(http), "--grpc-port", str(grpc),
            "--metrics-port", str(metrics), "--run-dir", str(tmp_path / "run")]
@@ -44,7 +44,9 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
         # the ensemble live in tritonserver until its 60 s exit timeout, which once held every stop.
         request = generate(TraceConfig(num_users=1, num_requests=1, initial_events_median=20))[0]
         client = RankingClient(endpoints["grpc"])
-        assert client.score(request).shape[0] == len(request.candidate_ids)
+        assert_scores_match(client.score(request), reference.score(request.user_id, request.item_ids,
+                                                                    request.action_ids, request.candidate_ids),
+                            1e-4, "served by hstu-serve")
 
         # Act: Ctrl-C.
         launcher.send_signal(signal.SIGINT)
