@@ -5,10 +5,9 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 (created if missing; refused if group or others may enter it). Other processes
 (``kv_offload``) use ``ControlClient(endpoint)``:
 
-- ``commit(lease_id) -> list[OffloadItem]``: the lease's new full pages become visible; the
-  returned pages are pinned until ``offload_done``.
-- ``commit_many(lease_ids) -> list[Committed]``: the same for a batch in one round trip; each
-  names the lease's namespace with its pages.
+- ``commit_many(lease_ids) -> list[Committed]``: each lease's new full pages become visible, in
+  one round trip for the batch; each names the lease's namespace with its pages, pinned until
+  ``offload_done``.
 - ``offload_done(page_ids, ok) -> int``: drop offload pins (after the put was reaped).
 - ``abort(lease_id) -> bool``: return every page of a lease (failure, cancellation).
 - ``onboard_wait(lease_ids) -> list[OnboardOutcome]``: once the onboard of every lease (started
@@ -27,7 +26,7 @@ leases are all settled (the manager settles a late copy as a timeout, so every w
 within the store timeout of its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header,
 never pickle)::
 
-    request: {"op": "commit"|"commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
+    request: {"op": "commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
               "args": {...}}
     reply:   {"rpc": RpcStatus value, "result": ..., "error": str}
 
@@ -51,7 +50,7 @@ import zmq
 
 from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
-from kvlifecycle.page_table import Committed, OffloadItem
+from kvlifecycle.page_table import Committed
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, decode, prepare_ipc_dir
 
 logger = logging.getLogger(__name__)
@@ -265,8 +264,6 @@ class ControlServer:
 
     def _apply(self, op: str, args: dict[str, Any]) -> Any:
         mgr = self.manager
-        if op == "commit":
-            return [item.to_json() for item in mgr.commit(_int(args["lease_id"]))]
         if op == "commit_many":
             lease_ids = args["lease_ids"]
             if not isinstance(lease_ids, list):
@@ -285,7 +282,7 @@ class ControlServer:
             return mgr.stats()
         if op == "ping":
             return "pong"
-        raise ValueError(f"unknown op {op!r}; expected commit, commit_many, offload_done, abort, onboard_wait, "
+        raise ValueError(f"unknown op {op!r}; expected commit_many, offload_done, abort, onboard_wait, "
                          "stats or ping")
 
 
@@ -299,9 +296,6 @@ class ControlClient:
         self._client: RpcClient | None = RpcClient(endpoint)  # None once closed
 
     # -- public API ---------------------------------------------------------------------
-
-    def commit(self, lease_id: int) -> list[OffloadItem]:
-        return [OffloadItem.from_json(d) for d in self._call("commit", {"lease_id": int(lease_id)})]
 
     def commit_many(self, lease_ids: Sequence[int]) -> list[Committed]:
         return [Committed.from_json(d) for d in self._call("commit_many", {"lease_ids": [int(i) for i in lease_ids]})]

@@ -12,12 +12,11 @@ Call order for one request (ARCHITECTURE.md)::
     # or mgr.abort(lease.lease_id); a lease not committed in ttl_s expires (expire_leases)
     offloader.launch(hit.namespace, token_ids, items); offloader.reap()  ->  mgr.offload_done(page_ids, ok)
 
-and for a batch of requests (one table lock per step for the whole batch, one store wait for
-every onboard of the batch; per-request outcomes, never one exception for the batch)::
+and for a batch of requests (one table lock per step for the whole batch; per-request outcomes,
+never one exception for the batch)::
 
     hits   = mgr.lookup_many([(user_id, token_ids), ...])   # list[LookupResult]
     leases = mgr.allocate_many(hits)                        # list[Lease | PoolExhausted]
-    leases = mgr.onboard_many(leases)                       # list[Lease | LeaseGone | PoolExhausted]
     done   = mgr.commit_many(lease_ids)                     # list[Committed]
 
 Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` marks
@@ -314,28 +313,6 @@ class KVCacheManager:
             [task], self.store_timeout_s if timeout_s is None else timeout_s)
         return self._settle_onboard(lease_id, task, statuses.get(task))
 
-    def onboard_many(self, leases: Sequence[Lease | PoolExhausted], timeout_s: float | None = None
-                     ) -> list[Lease | PoolExhausted | LeaseGone]:
-        """``onboard`` of each lease of a batch: every copy is launched, then one store
-        ``wait`` covers them all. A ``PoolExhausted`` in the input stays in its place; a lease
-        that was aborted meanwhile, or has no pages left to recompute into, gets its exception
-        in its place."""
-        tasks = {lease.lease_id: self.onboard_launch(lease.lease_id) for lease in leases
-                 if isinstance(lease, Lease) and not lease.onboarded}
-        in_flight = [t for t in tasks.values() if t is not None]
-        statuses = self._wait(in_flight, self.store_timeout_s if timeout_s is None else timeout_s) if in_flight else {}
-        out: list[Lease | PoolExhausted | LeaseGone] = []
-        for lease in leases:
-            if not isinstance(lease, Lease) or lease.onboarded:
-                out.append(lease)
-                continue
-            task = tasks[lease.lease_id]
-            try:
-                out.append(self._settle_onboard(lease.lease_id, task, statuses.get(task)))
-            except (LeaseGone, PoolExhausted) as e:
-                out.append(e)
-        return out
-
     def onboard_start_many(self, leases: Sequence[Lease | PoolExhausted]
                            ) -> list[Lease | PoolExhausted | LeaseGone]:
         """Start the onboard of each lease of a batch and return without asking the store: a
@@ -343,8 +320,7 @@ class KVCacheManager:
         onboard pages may not be read until ``onboard_result`` returns it settled, with the
         ones not copied turned into pages to compute). ``poll_onboards`` asks the store (one
         round trip each, on the poller's thread) and settles them. A lease that cannot start
-        (no store, aborted) is settled here. Other entries stay in their place, as in
-        ``onboard_many``."""
+        (no store, aborted) is settled here. Other entries (``PoolExhausted``) stay in their place."""
         out: list[Lease | PoolExhausted | LeaseGone] = []
         for lease in leases:
             if not isinstance(lease, Lease) or lease.onboarded:

@@ -17,8 +17,8 @@ def main() -> None:
         for lease in payload["leases"]:
             for page in lease["pages"]:
                 pool.tensor[:, page] = float(lease["value"])  # every layer, K and V
-            items = client.commit(lease["lease_id"])
-            out["offload"][str(lease["lease_id"])] = [it.to_json() for it in items]
+            [committed] = client.commit_many([lease["lease_id"]])
+            out["offload"][str(lease["lease_id"])] = [it.to_json() for it in committed.items]
         for lease_id in payload.get("abort", []):
             out["aborted"].append(client.abort(lease_id))
     pool.close()

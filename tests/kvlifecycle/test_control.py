@@ -98,9 +98,9 @@ def test_client_errors_are_clear():
     with kv_owner(SPEC) as owner:
         with ControlClient(owner.endpoint) as client:
             with pytest.raises(ControlError, match="bad_request") as refused:
-                client._call("commit", {"lease_id": "x"})
+                client._call("commit_many", {"lease_ids": ["x"]})
             assert refused.value.status is RpcStatus.BAD_REQUEST
-            assert client.commit(12345) == []  # unknown lease: nothing to offload
+            assert [c.items for c in client.commit_many([12345])] == [()]  # unknown lease: nothing to offload
             assert client.abort(12345) is False
     with ControlClient(default_endpoint("control.sock"), timeout_s=0.2) as client:
         with pytest.raises(ControlTimeout, match="no reply"):

@@ -429,25 +429,6 @@ def test_commit_many_returns_each_leases_namespace_and_pages(smgr):
     assert smgr.stats()["commit_unknown_lease"] == 1
 
 
-def test_onboard_many_waits_once_for_every_copy_and_fails_per_request(smgr, store):
-    fill_host(smgr, store, list(range(8)))
-    waits = []
-    real_wait = store.wait
-    store.wait = lambda tasks, timeout_s=1.0: waits.append(list(tasks)) or real_wait(tasks, timeout_s)
-    requests = [(1, list(range(8))), (2, list(range(300, 304))), (3, list(range(8)) + [9])]
-    allocs = smgr.allocate_many(smgr.lookup_many(requests))
-    assert [a.onboarded for a in allocs] == [False, True, False]
-    smgr.abort(allocs[2].lease_id)  # aborted before its copy: that request alone fails
-
-    done = smgr.onboard_many(allocs)
-
-    assert len(waits) == 1 and len(waits[0]) == 1  # one wait; the aborted lease launched nothing
-    assert done[0].cached_len == 8 and done[1] is allocs[1] and isinstance(done[2], LeaseGone)
-    for committed in smgr.commit_many([done[0].lease_id, done[1].lease_id]):
-        smgr.offload_done([it.page_id for it in committed.items], True)
-    baseline_ok(smgr)
-
-
 def started_host_hit(smgr, store, tokens):
     """A host hit whose onboard copy is launched by the first poll and stays in flight (the fake
     store's get is UNREADY)."""
