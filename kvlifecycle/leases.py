@@ -74,6 +74,8 @@ COUNTERS = (  # always present in stats(), so dashboards see zeros
     "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits",
 )
 QUARANTINE_USER = -1  # user of a lease holding pages a timed-out store get may still write
+LEASE_TTL_S = 30.0  # a lease not committed or aborted by then returns its pages (> the slowest compute)
+OFFLOAD_TTL_S = 120.0  # likewise for a page pinned for offload whose put was never reaped
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class Lease:
 class LeaseTable:
     """See the module docstring. ``clock`` is seconds, monotonic (injectable for tests)."""
 
-    def __init__(self, num_pages: int, page_size: int, *, offload_ttl_s: float = 120.0,
+    def __init__(self, num_pages: int, page_size: int, *, offload_ttl_s: float = OFFLOAD_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pages = PageTable(num_pages, page_size)
         self.num_pages = num_pages

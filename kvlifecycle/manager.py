@@ -23,7 +23,7 @@ Onboarding off the caller's critical path (the ensemble's owner): ``onboard_star
 each lease with onboard pages ``onboarding`` and returns at once, without asking the store.
 ``poll_onboards`` (the control plane's thread calls it while any is in flight) asks the store
 for each new one (``get_prefix_async``: one round trip) and settles each one when its copy
-ends, or as a timeout ``store_timeout_s`` after its start; ``onboard_result`` says whether a
+ends, or as a timeout ``onboard_wait_s`` after its start; ``onboard_result`` says whether a
 lease's onboard is settled, and how (the consumer of its pages asks before it reads them)::
 
     leases = mgr.onboard_start_many(leases)   # in flight: lease.onboarding; others settled now
@@ -66,9 +66,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from kvlifecycle.hashing import PrefixKeys, TokenIds, page_keys, tokens_as_int64
-from kvlifecycle.leases import Lease, LeaseTable, ReserveAsk
+from kvlifecycle.leases import LEASE_TTL_S, OFFLOAD_TTL_S, Lease, LeaseTable, ReserveAsk
 from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
+from kvlifecycle.rpc import TIMEOUTS
 from kvlifecycle.store.api import Status, held_pages
 
 if TYPE_CHECKING:
@@ -135,16 +136,16 @@ class KVCacheManager:
     """Owner-process state of the device KV cache; see the module docstring.
 
     ``lease_ttl_s``: a lease not committed or aborted by then returns its pages (must exceed
-    the slowest compute). ``offload_ttl_s``: likewise for offload pins. ``store_timeout_s``:
-    how long ``onboard`` waits for the host store before recomputing instead.
+    the slowest compute). ``offload_ttl_s``: likewise for offload pins. ``onboard_wait_s``:
+    how long an onboard waits for the host store's copy before recomputing instead.
     ``min_host_pages``: the host store is asked only when at least this many full pages follow
     the device prefix (``MIN_HOST_PAGES``). ``pool_wait_s``: how long a request the pool cannot hold now
     waits for pages other requests or offloads in flight still hold, before ``PoolExhausted``
     (0: fail at once)."""
 
     def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
-                 *, offload: bool | None = None, lease_ttl_s: float = 30.0,
-                 offload_ttl_s: float = 120.0, store_timeout_s: float = 2.0,
+                 *, offload: bool | None = None, lease_ttl_s: float = LEASE_TTL_S,
+                 offload_ttl_s: float = OFFLOAD_TTL_S, onboard_wait_s: float = TIMEOUTS.onboard_wait_s,
                  min_host_pages: int = MIN_HOST_PAGES, pool_wait_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not namespace:
@@ -154,7 +155,7 @@ class KVCacheManager:
         self.store = store
         self.offload_enabled = store is not None if offload is None else offload
         self.lease_ttl_s = lease_ttl_s
-        self.store_timeout_s = store_timeout_s
+        self.onboard_wait_s = onboard_wait_s
         self.min_host_pages = min_host_pages
         self.pool_wait_s = pool_wait_s
         self.clock = clock
@@ -310,7 +311,7 @@ class KVCacheManager:
                      timeout_s: float | None = None) -> Lease:
         """Finish an onboard started by ``onboard_launch`` and return the final lease."""
         statuses = {} if task is None else self._wait(
-            [task], self.store_timeout_s if timeout_s is None else timeout_s)
+            [task], self.onboard_wait_s if timeout_s is None else timeout_s)
         return self._settle_onboard(lease_id, task, statuses.get(task))
 
     def onboard_start_many(self, leases: Sequence[Lease | PoolExhausted]
@@ -333,7 +334,7 @@ class KVCacheManager:
                     out.append(e)
                 continue
             with self._in_flight_lock:  # task None: the store is not asked yet
-                self._in_flight[lease.lease_id] = (None, self.clock() + self.store_timeout_s)
+                self._in_flight[lease.lease_id] = (None, self.clock() + self.onboard_wait_s)
             out.append(self.leases.get_lease(lease.lease_id) or LeaseGone(
                 f"onboard_start_many: lease {lease.lease_id} was aborted during its start"))
         return out

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from compute.config import CONFIG_FILENAME, DEFAULT_MODEL_DIR
+from kvlifecycle.leases import LEASE_TTL_S
 from kvlifecycle.rpc import TIMEOUTS, Timeouts, split_host_port
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
@@ -54,7 +55,7 @@ class ServingSettings:
     store: str = "none"  # none: the device cache alone; embedded: the store at store_endpoint (hstu-serve starts it)
     store_endpoint: str = ""  # embedded, flexkv: ipc://<run_dir>/store.sock; mooncake: master address
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
-    lease_ttl_s: float = 30.0  # a lease not committed in this time returns its pages
+    lease_ttl_s: float = LEASE_TTL_S  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's

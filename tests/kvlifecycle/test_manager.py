@@ -459,7 +459,7 @@ def test_onboard_start_returns_at_once_and_poll_settles_the_copy(smgr, store):
 def test_a_late_copy_is_settled_as_a_timeout_even_when_nobody_waits(smgr, store, clock):
     tokens = list(range(8))
     lease, task = started_host_hit(smgr, store, tokens)
-    clock.now += smgr.store_timeout_s - 0.1
+    clock.now += smgr.onboard_wait_s - 0.1
     assert smgr.poll_onboards() == []
     clock.now += 0.2
     assert smgr.poll_onboards() == [lease.lease_id]
@@ -494,7 +494,7 @@ def test_a_start_the_store_cannot_serve_is_settled_by_the_first_poll_as_pages_to
     [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens, ask_store=False))])
     assert lease.onboarding and lease.cached_len == 8 and smgr.onboards_in_flight() == 1
     if case == "first poll after the deadline":
-        clock.now += smgr.store_timeout_s + 0.1
+        clock.now += smgr.onboard_wait_s + 0.1
     asked = len(store.tasks)
     assert smgr.poll_onboards() == [lease.lease_id], case
     if case == "first poll after the deadline":
