@@ -1,7 +1,8 @@
 """Faults: nothing wrong is served, nothing hangs, and every page comes back.
 
 On the session `server`:
-- a client that cancels its stream or dies with requests in flight: others are served, leases return;
+- a client that cancels its stream or dies with requests in flight (proven: answers missing at the
+  cancel, leases returned by abort or expiry): others are served, leases return;
 - two concurrent requests for the same user: both correct.
 
 On `fault_server` (small pool, fault injection):
@@ -60,16 +61,21 @@ time.sleep(600)
 
 
 def test_clients_gone_mid_stream_others_served_and_leases_return(server: Server, reference) -> None:
-    """One client cancels its stream (stop_stream(cancel_requests=True)), another process is
-    SIGKILLed, each with 8 requests in flight; a third client is served meanwhile."""
-    wait_drained(server)
+    """One process is SIGKILLed and one client cancels its stream (stop_stream(cancel_requests=True)),
+    each with 8 requests in flight; a third client is served meanwhile. In flight, proven: the
+    cancelling client had fewer than its 8 answers when it cancelled (sent last, 0.2 s before, behind
+    the killed process's 8), and leases came back by abort or expiry, not by commit: requests
+    dropped between two steps."""
+    before = wait_drained(server)
     others = generate(TraceConfig(num_users=6, num_requests=24, seed=12))
     killed = subprocess.Popen([sys.executable, "-c", CANCEL_SCRIPT, server.grpc_url, ENSEMBLE, "5100"],
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     load = Load(server.grpc_url, others, concurrency=2)
+    answered: list[object] = []  # the cancelling stream's answers (scores, not errors)
     try:
+        assert killed.stdout.readline().strip() == "sent"
         cancelled = grpcclient.InferenceServerClient(server.grpc_url)
-        cancelled.start_stream(callback=lambda result, error: None)
+        cancelled.start_stream(callback=lambda result, error: answered.append(result) if error is None else None)
         for i in range(8):
             inputs = []
             for name, arr in history(5000 + i, 800).arrays().items():
@@ -77,9 +83,9 @@ def test_clients_gone_mid_stream_others_served_and_leases_return(server: Server,
                 t.set_data_from_numpy(arr)
                 inputs.append(t)
             cancelled.async_stream_infer(ENSEMBLE, inputs)
-        assert killed.stdout.readline().strip() == "sent"
         time.sleep(0.2)
         cancelled.stop_stream(cancel_requests=True)
+        answered_at_cancel = len(answered)
         cancelled.close()
     finally:
         killed.kill()
@@ -91,7 +97,13 @@ def test_clients_gone_mid_stream_others_served_and_leases_return(server: Server,
         check_scores(reference, others[i], outcome, what=f"request {i} of another client")
     # A lease of a request dropped between two steps returns on expiry (lease_ttl_s = 30 s).
     drained = wait_drained(server, timeout_s=120)
-    print(f"clients gone: leases expired so far {drained['leases_expired']}, aborted {drained['aborts']}")
+    expired, aborted = (drained[k] - before[k] for k in ("leases_expired", "aborts"))
+    print(f"clients gone: {answered_at_cancel} of the cancelled stream's 8 answered before the cancel; "
+          f"leases expired {expired}, aborted {aborted}")
+    assert answered_at_cancel < 8, "the cancelled stream had every answer before the cancel: nothing was in flight"
+    assert 0 < expired + aborted <= 16, (
+        f"{expired} leases expired and {aborted} aborted: expected some (at most the 16 requests of the clients "
+        "gone) to have held a lease when their client went")
     with RankingClient(server.grpc_url) as client:  # still serving
         check_scores(reference, others[0], client.score(others[0]))
 
