@@ -5,8 +5,8 @@
   working set; 3 max-length histories fill it), a 512 MB store DRAM tier plus a disk tier, and
   a test model repository (`fault_repository`) whose hstu_compute is a subclass of the real one
   that raises on candidate `FAULT_CANDIDATE` (`fault_models/hstu_compute_model.py`) and whose
-  kv_offload commits a request with candidate `SLOW_COMMIT_CANDIDATE` `COMMIT_DELAY_S` after
-  its answer (`fault_models/kv_offload_model.py`). It boots in the background from the first reliability test on, while the
+  kv_offload answers a request with candidate `SLOW_COMMIT_CANDIDATE` but commits it only once
+  the test lets it (`FaultServer.commits_held()`; `fault_models/kv_offload_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
   process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 runs
@@ -26,6 +26,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -52,7 +53,6 @@ from tests.helpers import ModelStats, metric, wait_for
 
 FAULT_CANDIDATE = 99_991  # never sent by the tests' traces (see `without_fault_candidate`)
 SLOW_COMMIT_CANDIDATE = 99_993  # nor this one
-COMMIT_DELAY_S = 1.5  # how late kv_offload commits a request with SLOW_COMMIT_CANDIDATE
 FAULT_MODELS = {COMPUTE: Path(__file__).resolve().parent / "fault_models" / "hstu_compute_model.py",
                 OFFLOAD: Path(__file__).resolve().parent / "fault_models" / "kv_offload_model.py"}
 SLOW_STORE = Path(__file__).resolve().parents[1] / "slow_store.py"
@@ -84,12 +84,13 @@ def fault_launch_config(root: Path):
                          model_repository=fault_repository(root),
                          extra_env={"HSTU_TEST_FAULT_CANDIDATE": str(FAULT_CANDIDATE),
                                     "HSTU_TEST_SLOW_COMMIT_CANDIDATE": str(SLOW_COMMIT_CANDIDATE),
-                                    "HSTU_TEST_COMMIT_DELAY_S": str(COMMIT_DELAY_S),
+                                    "HSTU_TEST_COMMIT_HOLD_FILE": str(root / "commit.hold"),
                                     "HSTU_TEST_REAL_REPOSITORY": str(REAL_REPOSITORY)})
 
 
 class FaultServer(LocalServer):
-    """`LocalServer` whose store the tests can kill, or start with slow copies."""
+    """`LocalServer` whose store the tests can kill, or start with slow copies, and whose
+    kv_offload commits late when told."""
 
     # > 0: the next start_store() runs tests/slow_store.py with these delays
     store_copy_delay_s = 0.0
@@ -104,10 +105,26 @@ class FaultServer(LocalServer):
         return [python, str(SLOW_STORE), "--copy-delay-s", str(self.store_copy_delay_s),
                 "--match-delay-s", str(self.store_match_delay_s), *cmd[3:]]
 
+    def commits_held(self) -> contextlib.AbstractContextManager[None]:
+        """kv_offload answers requests with SLOW_COMMIT_CANDIDATE but commits none of them (their
+        leases stay LEASED) until the block ends (at most COMMIT_HOLD_MAX_S of
+        fault_models/kv_offload_model.py)."""
+        return held(Path(self.config.extra_env["HSTU_TEST_COMMIT_HOLD_FILE"]))
+
     def kill_store(self) -> None:
         """SIGKILL the store process; `start_store()` brings it back."""
         os.kill(self.store.pid, signal.SIGKILL)
         self.store.wait()
+
+
+@contextlib.contextmanager
+def held(hold_file: Path) -> Iterator[None]:
+    """`hold_file` exists during the block: what it holds (late commits) waits until the block ends."""
+    hold_file.touch()
+    try:
+        yield
+    finally:
+        hold_file.unlink(missing_ok=True)
 
 
 class _EarlyStart:

@@ -13,13 +13,14 @@ On `fault_server` (small pool, fault injection):
   are counted, and the restarted store is reconnected (offloads and host hits again);
 - the host store slow (`tests/slow_store.py`, copies 3 s late): an onboard times out and is recomputed, no hang,
   and the wait for it is hstu_compute's, not kv_lookup_alloc's (the owner launched the copy and answered);
-- the pool under pressure from concurrent long requests (while hstu_compute is busy, so none can
-  commit and free room): they wait for the pages held, then correct scores or "pool exhausted",
-  never a hang.
+- the pool held by requests in flight (answered, their commits held: every page LEASED): requests
+  that need pages wait for them, then are refused saying the pool is exhausted, never a hang;
+  served once the commits land.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import subprocess
 import sys
 import time
@@ -36,10 +37,10 @@ from kvlifecycle.rpc import TIMEOUTS
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for
-from tests.reliability.conftest import (BLOCKER_EVENTS, COMMIT_DELAY_S, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP,
+from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP,
                                         SLOW_COMMIT_CANDIDATE, FaultServer, Load,
-                                        blocker, check_scores, could_run_alone, evict_from_device, fire_together, history,
-                                        owner_stats, register_pool, send_in_order, settled_kv_metrics,
+                                        blocker, check_scores, could_run_alone, evict_from_device, fire_together,
+                                        history, owner_stats, register_pool, send_in_order, settled_kv_metrics,
                                         store_errors, wait_drained, without_fault_candidate)
 
 pytestmark = pytest.mark.integration
@@ -305,66 +306,73 @@ def test_a_store_that_stops_answering_never_holds_the_owner(fault_server: FaultS
 
 
 def test_a_prefix_still_being_written_is_recomputed_without_waiting(fault_server: FaultServer, reference) -> None:
-    """kv_offload commits before it answers; here it commits one request COMMIT_DELAY_S after its
-    answer (fault_models/kv_offload_model.py), as when a user's two requests are in flight at
-    once. The user's next request finds those pages still being written: it does not wait for
-    them, computes them itself (right scores, counted as an uncommitted-prefix lookup), and the
-    late commit still lands without a leak."""
+    """kv_offload commits before it answers; here it commits one request only once the test lets
+    it (fault_models/kv_offload_model.py), as when a user's two requests are in flight at once. The
+    user's next request finds those pages still being written: it is answered while that commit is
+    still held (so it did not wait for it), computes them itself (right scores, counted as an
+    uncommitted-prefix lookup), and the late commit still lands without a leak."""
     slow = history(3400, 300, seed=7)
     slow = RankingRequest(slow.user_id, slow.item_ids, slow.action_ids, [*slow.candidate_ids[:4], SLOW_COMMIT_CANDIDATE])
 
     def grown(r: RankingRequest) -> RankingRequest:
         return RankingRequest(r.user_id, r.item_ids + [7, 8], r.action_ids + [1, 2], without_fault_candidate(r).candidate_ids)
 
-    with RankingClient(fault_server.grpc_url, timeout_s=60) as client:
+    with RankingClient(fault_server.grpc_url, timeout_s=30) as client:
         wait_drained(fault_server)
         before = owner_stats(fault_server)
-        check_scores(reference, slow, client.score(slow))  # answered; its commit comes COMMIT_DELAY_S later
-        sent = time.monotonic()
-        check_scores(reference, grown(slow), client.score(grown(slow)), what="behind a late commit,")
-        took = time.monotonic() - sent
-        after = owner_stats(fault_server)
-    assert after["uncommitted_prefix_lookups"] == before["uncommitted_prefix_lookups"] + 1, f"{before} -> {after}"
-    assert after["lookups_device_hit"] == before["lookups_device_hit"], "its prefix was not committed: recomputed"
-    assert took < COMMIT_DELAY_S, f"the next request took {took:.2f}s: it waited for the late commit"
-    wait_drained(fault_server, timeout_s=30)  # the late commit lands; every page returns
-    print(f"late commit: the user's next request recomputed its prefix in {took:.2f}s")
-    wait_drained(fault_server)
+        with fault_server.commits_held():
+            check_scores(reference, slow, client.score(slow))  # answered; its commit is held
+            check_scores(reference, grown(slow), client.score(grown(slow)), what="behind a held commit,")
+            during = owner_stats(fault_server)
+    assert during["uncommitted_prefix_lookups"] == before["uncommitted_prefix_lookups"] + 1, f"{before} -> {during}"
+    assert during["lookups_device_hit"] == before["lookups_device_hit"], "its prefix was not committed: recomputed"
+    # Answered while the first request's commit was held: its lease still active, only its own commit made.
+    assert (during["leases_active"], during["commits"] - before["commits"]) == (1, 1), during
+    after = wait_drained(fault_server, timeout_s=30)  # the late commit lands; every page returns
+    assert after["commits"] == before["commits"] + 2, f"the held commit never landed: {before} -> {after}"
+    print("late commit: the user's next request recomputed its prefix while the commit was held")
 
 
-def test_pool_pressure_from_concurrent_long_requests_waits_or_errors_clearly_never_hangs(fault_server: FaultServer,
+def with_slow_commit(request: RankingRequest) -> RankingRequest:
+    """`request` with SLOW_COMMIT_CANDIDATE as its last candidate: kv_offload commits it only once
+    `commits_held()` ends."""
+    return RankingRequest(request.user_id, request.item_ids, request.action_ids,
+                          [*request.candidate_ids[:-1], SLOW_COMMIT_CANDIDATE])
+
+
+def test_pool_pressure_from_long_requests_in_flight_waits_then_errors_clearly_never_hangs(fault_server: FaultServer,
                                                                                          reference) -> None:
-    """A long request (128 pages) keeps hstu_compute busy (about 0.7 s) while 10 requests of 64
-    pages each pass kv_lookup_alloc (a few ms each): none of them can commit (and make its pages
-    evictable) before the long one is done, and at most 4 fit in the 256 pages it leaves of 384.
-    The others wait for the pages the earlier ones hold (the owner's pool wait) and are served
-    once those commit, or, past the wait, are refused saying the pool is exhausted."""
+    """The pool (384 pages) is held by requests in flight: a max-length request (128 pages) and
+    four of 1024 events (64 pages each), answered but with their commits held (`commits_held`), so
+    every page is LEASED and none can come back. Two more requests, one max-length and one of 2
+    pages, cannot fit: they wait for the held pages (the owner's pool wait, 1 s), then are refused
+    saying the pool is exhausted, never a hang. Once the commits land, both are served."""
     wait_drained(fault_server)  # nothing leased or pinned: every other page is free or evictable
     before = owner_stats(fault_server)
-    long = blocker(4099, seed=3)
-    requests = [history(4000 + i, 1024, candidates=8, seed=3) for i in range(10)]
+    holders = [with_slow_commit(blocker(4099, seed=3)),
+               *(with_slow_commit(history(4000 + i, 1024, candidates=8, seed=3)) for i in range(4))]
+    refused = [history(4010, BLOCKER_EVENTS, candidates=8, seed=3), history(4011, 32, candidates=8, seed=3)]
 
-    outcomes = send_in_order(fault_server, [[long], requests])
+    with fault_server.commits_held():
+        outcomes = send_in_order(fault_server, [holders, refused])
+        during = owner_stats(fault_server)  # after the refusals, before the commits
 
-    assert isinstance(outcomes[0], np.ndarray), f"the long request: {outcomes[0]!r}"
-    check_scores(reference, long, outcomes[0], what="the long request,")
-    tally = {"ok": 0, "pool exhausted": 0}
-    refused = None
-    for request, outcome in zip(requests, outcomes[1:]):
-        if isinstance(outcome, RequestFailed):
-            assert "pool exhausted" in str(outcome).lower(), f"user {request.user_id}: {outcome}"
-            tally["pool exhausted"] += 1
-            refused = request
-        else:
-            assert isinstance(outcome, np.ndarray), f"user {request.user_id}: {outcome!r}"
-            check_scores(reference, request, outcome)
-            tally["ok"] += 1
+    for request, outcome in zip(holders, outcomes):
+        assert isinstance(outcome, np.ndarray), f"user {request.user_id}, holding pages: {outcome!r}"
+        check_scores(reference, request, outcome, what="holding pages,")
+    assert during["pages_leased"] == FAULT_POOL_PAGES, f"the holders did not lease the whole pool: {during}"
+    for request, outcome in zip(refused, outcomes[len(holders):]):
+        assert isinstance(outcome, RequestFailed), (
+            f"user {request.user_id} got {outcome!r} from a pool whose every page was leased")
+        assert "KV page pool exhausted, retry later" in str(outcome), f"user {request.user_id}: {outcome}"
+        leased = re.search(r"(\d+) leased\)", str(outcome))
+        assert leased and int(leased.group(1)) == FAULT_POOL_PAGES, f"user {request.user_id}: {outcome}"
     after = wait_drained(fault_server)
     waits, exhausted = (after[k] - before[k] for k in ("pool_waits", "pool_exhausted"))
-    print(f"10 concurrent 1024-event requests behind a {BLOCKER_EVENTS}-event one on {FAULT_POOL_PAGES} pages: "
-          f"{tally}; pool_waits +{waits}, pool_exhausted +{exhausted}")
-    assert waits > 0, f"no request waited for pages: the pool was never under pressure ({tally})"
-    assert exhausted == tally["pool exhausted"]
-    if refused is not None:  # once the pool drained, a request refused before is served
-        with RankingClient(fault_server.grpc_url) as client:
-            check_scores(reference, refused, client.score(refused), what="retried,")
+    print(f"{len(refused)} requests behind {len(holders)} holding all {FAULT_POOL_PAGES} pages: refused; "
+          f"pool_waits +{waits}, pool_exhausted +{exhausted}")
+    assert exhausted == len(refused), f"pool_exhausted +{exhausted} for {len(refused)} refused requests"
+    assert waits >= 1, "refused at once: they would fit once the held pages return, so they wait first"
+    with RankingClient(fault_server.grpc_url) as client:  # the commits landed: both fit now
+        for request in refused:
+            check_scores(reference, request, client.score(request), what="retried,")

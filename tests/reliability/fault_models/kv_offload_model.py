@@ -3,13 +3,16 @@
 `fault_repository()` (tests/reliability/conftest.py) serves this file as `kv_offload/1/model.py`.
 It subclasses the real model, loaded from its file (the Python-backend stub does not put the
 tests on the import path), and answers as the real one does, but commits a request with
-candidate id `HSTU_TEST_SLOW_COMMIT_CANDIDATE` `HSTU_TEST_COMMIT_DELAY_S` seconds after its
-answer: the user's next request then finds the previous one's pages still being written, as
-when a user's two requests are in flight at once.
+candidate id `HSTU_TEST_SLOW_COMMIT_CANDIDATE` only once the file `HSTU_TEST_COMMIT_HOLD_FILE`
+is gone (at most `COMMIT_HOLD_MAX_S` after its answer, under the 30 s lease TTL; at once when
+there is no such file): the test decides how long its lease stays LEASED. The user's next
+request then finds the previous one's pages still being written, as when a user's two requests
+are in flight at once; requests of this kind hold their pages as long as the test wants.
 """
 import importlib.util
 import os
 import threading
+import time
 from pathlib import Path
 
 from deploy.runtime.compute_plan import ComputePlan
@@ -17,7 +20,8 @@ from kvlifecycle.page_table import Committed
 from deploy.runtime.triton_io import input_tensor
 
 SLOW_COMMIT_CANDIDATE = int(os.environ["HSTU_TEST_SLOW_COMMIT_CANDIDATE"])
-COMMIT_DELAY_S = float(os.environ["HSTU_TEST_COMMIT_DELAY_S"])
+COMMIT_HOLD_FILE = Path(os.environ["HSTU_TEST_COMMIT_HOLD_FILE"])
+COMMIT_HOLD_MAX_S = 20.0
 REAL_MODEL = Path(os.environ["HSTU_TEST_REAL_REPOSITORY"]) / "kv_offload" / "1" / "model.py"
 
 _spec = importlib.util.spec_from_file_location("kv_offload_real_model", REAL_MODEL)
@@ -34,10 +38,14 @@ class TritonPythonModel(_real.TritonPythonModel):
         def commit_late_ones_later(lease_ids):
             late = [lease_id for lease_id in lease_ids if lease_id in self._late]
             if late:  # committed late, and not offloaded (no history to key the put by): unpinned at once
-                timer = threading.Timer(COMMIT_DELAY_S, lambda: [
-                    self.control.offload_done([it.page_id for it in c.items], False) for c in commit(late)])
-                timer.daemon = True
-                timer.start()
+                def commit_once_released() -> None:
+                    deadline = time.monotonic() + COMMIT_HOLD_MAX_S
+                    while COMMIT_HOLD_FILE.exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    for c in commit(late):
+                        self.control.offload_done([it.page_id for it in c.items], False)
+
+                threading.Thread(target=commit_once_released, name="late-commit", daemon=True).start()
             on_time = iter(commit([lease_id for lease_id in lease_ids if lease_id not in self._late]))
             return [Committed(lease_id, "", ()) if lease_id in self._late else next(on_time) for lease_id in lease_ids]
 
