@@ -9,8 +9,10 @@
   the test lets it (`FaultServer.commits_held()`; `fault_models/kv_offload_model.py`). It boots in the background from the first reliability test on, while the
   tests on the session `server` run. Tests that use it may kill and restart its store or the
   whole server; each leaves it serving. It is a `FaultServer`: `kill_store()` SIGKILLs its store
-  process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 runs
-  `tests/slow_store.py` (the real store server whose copies, or matches, each sleep that long).
+  process, and a store started while `store_copy_delay_s` or `store_match_delay_s` > 0 or
+  `store_hold` is set runs `tests/slow_store.py` (the real store server whose copies, or
+  matches, each sleep that long, or wait while the test holds them: `FaultServer.held()`), which
+  logs each copy and match it starts and ends (`store_calls()`).
 - `owner_stats(server)`: kv_lookup_alloc's page table counters, read over its control socket
   (exact and immediate; the metrics port lags by up to a second).
 - `wait_drained(server)`: waits until no page is leased or pinned (every lease committed or
@@ -89,21 +91,42 @@ def fault_launch_config(root: Path):
 
 
 class FaultServer(LocalServer):
-    """`LocalServer` whose store the tests can kill, or start with slow copies, and whose
-    kv_offload commits late when told."""
+    """`LocalServer` whose store the tests can kill, or start with slow or held copies or
+    matches, and whose kv_offload commits late when told."""
 
     # > 0: the next start_store() runs tests/slow_store.py with these delays
     store_copy_delay_s = 0.0
     store_match_delay_s = 0.0
+    # "copy" or "match": the next start_store() runs tests/slow_store.py, whose copies (or matches)
+    # wait while `held(fault_server.store_hold_file)` lasts
+    store_hold: str | None = None
+
+    @property
+    def store_hold_file(self) -> Path:
+        return self.settings.run_dir / "store.hold"
+
+    @property
+    def store_calls_file(self) -> Path:
+        return self.settings.run_dir / "store-calls.log"
 
     def store_command(self) -> list[str]:
         cmd = super().store_command()
-        if not (self.store_copy_delay_s or self.store_match_delay_s):
+        if not (self.store_copy_delay_s or self.store_match_delay_s or self.store_hold):
             return cmd
         python, module = cmd[0], cmd[1:3]
         assert module == ["-m", "kvlifecycle.store"], f"store_command: expected python -m kvlifecycle.store, got {cmd}"
+        hold = ["--hold", self.store_hold, "--hold-file", str(self.store_hold_file)] if self.store_hold else []
         return [python, str(SLOW_STORE), "--copy-delay-s", str(self.store_copy_delay_s),
-                "--match-delay-s", str(self.store_match_delay_s), *cmd[3:]]
+                "--match-delay-s", str(self.store_match_delay_s), *hold, "--log-file", str(self.store_calls_file),
+                *cmd[3:]]
+
+    def start_store(self) -> None:
+        self.store_calls_file.unlink(missing_ok=True)  # store_calls() tells this store's calls only
+        super().start_store()
+
+    def store_calls(self) -> list[str]:
+        """The copies and matches a slow store started and ended so far ("copy start", "copy done", ...)."""
+        return self.store_calls_file.read_text().splitlines() if self.store_calls_file.exists() else []
 
     def commits_held(self) -> contextlib.AbstractContextManager[None]:
         """kv_offload answers requests with SLOW_COMMIT_CANDIDATE but commits none of them (their
@@ -119,7 +142,8 @@ class FaultServer(LocalServer):
 
 @contextlib.contextmanager
 def held(hold_file: Path) -> Iterator[None]:
-    """`hold_file` exists during the block: what it holds (late commits) waits until the block ends."""
+    """`hold_file` exists during the block: what it holds (a slow store's copies or matches,
+    late commits) waits until the block ends."""
     hold_file.touch()
     try:
         yield
