@@ -157,7 +157,7 @@ class Bench:
         for c in self.cfg.concurrencies:
             runs: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
             for r in range(self.cfg.repeats):
-                for model in abba(r):
+                for model in models_in_turn(r):
                     runs[model].append(self.measured_replay(self.server, model, c))
             point = SweepPoint(c, {m: RunsSummary.of(runs[m]) for m in MODELS})
             for model, s in point.models.items():
@@ -173,7 +173,7 @@ class Bench:
         with tempfile.TemporaryDirectory(prefix="hstu-bench-pa-") as tmp:
             for i, c in enumerate(self.cfg.concurrencies):
                 point = PerfAnalyzerPoint(c, {})
-                for model in abba(i):
+                for model in models_in_turn(i):
                     data = Path(tmp) / f"{model}-{c}.json"
                     data.write_text(json.dumps(perf_analyzer_data(self.fresh_trace())))
                     result = run_perf_analyzer(self.server.grpc_url, model, c, data, Path(tmp) / f"{model}-{c}.csv",
@@ -197,7 +197,7 @@ class Bench:
                 samples = {m: {kind: [] for kind in LOOKUP_OUTCOMES} for m in MODELS}
                 for r in range(self.cfg.repeats):
                     warm_histories = {}
-                    for model in abba(r):
+                    for model in models_in_turn(r):
                         history, user = self._history(events), self._user()
                         prime = RankingRequest(user, history.item_ids[:-CACHE_NEW_EVENTS],
                                                history.action_ids[:-CACHE_NEW_EVENTS], history.candidate_ids)
@@ -273,7 +273,7 @@ class Bench:
         time.sleep(METRICS_SETTLE_S)  # the warm-up's lookups published before the first run's scrape
         runs: dict[str, dict[str, list[MeasuredRun]]] = {m: {"on": [], "off": []} for m in MODELS}
         for r in range(self.cfg.repeats):
-            for model in abba(r):
+            for model in models_in_turn(r):
                 for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
                     server = self.server if side == "on" else off
                     runs[model][side].append(self.measured_replay(server, model, c))
@@ -301,7 +301,7 @@ class Bench:
         c = self.cfg.offload_concurrency
         runs: dict[str, dict[str, list[MeasuredRun]]] = {m: {"device": [], "host": []} for m in MODELS}
         for r in range(self.cfg.repeats):
-            for model in abba(r):
+            for model in models_in_turn(r):
                 for side in (("device", "host") if r % 2 == 0 else ("host", "device")):
                     server = self.server if side == "device" else small
                     trace = self.fresh_trace(self.host_hit_base)
@@ -388,7 +388,7 @@ class Bench:
                 for _ in range(3):
                     clients[model].score(self._tiny())
             for r in range(self.cfg.repeats):
-                for model in abba(r):
+                for model in models_in_turn(r):
                     requests = block_requests(clients[model])
                     before = read_model_stats(self.server.http_url)
                     latencies, served = [], []
@@ -436,7 +436,7 @@ class Bench:
                               self._rng.integers(1, m.item_vocab, 1).tolist())
 
 
-def abba(r: int) -> tuple[str, str]:
+def models_in_turn(r: int) -> tuple[str, str]:
     """Which model goes first alternates between repeats."""
     return MODELS if r % 2 == 0 else MODELS[::-1]
 

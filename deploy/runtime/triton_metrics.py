@@ -67,9 +67,9 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 
 # Stages of a request, each timed where it runs: lookup, allocate and onboard_launch (starting a
 # host hit's copy) in the owner; onboard (the wait for that copy) and compute (batch assembly, the
-# compiled call, the KV write) in hstu_compute; commit in kv_offload. hstu_monolithic times
-# lookup, allocate and onboard (launch and wait) itself. Triton's own statistics give each
-# model's queue time.
+# compiled call, the KV write) in hstu_compute; commit in kv_offload. hstu_monolithic publishes
+# none (one execute does every stage: Triton's statistics time it). Triton's own statistics give
+# each model's queue time.
 STAGES = ("lookup", "allocate", "onboard_launch", "onboard", "compute", "commit")
 for _stage in STAGES:
     _SERIES[f"stage_{_stage}_s_sum"] = ("hstu_kv_stage_seconds_sum", "counter",
