@@ -2,8 +2,9 @@
 # One GPU session on the air-gapped H200 host, from a checkout that carries .bundle/
 # (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, then runs the
 # stages asked for (default: pytest compute serve), each writing its results to ${OUT:-deploy/reports}:
-#   pytest   the CUDA tests (pytest -m cuda: build, scores vs the reference, call cost
-#            independent of the pool, only the new tokens' rows written)
+#   pytest   every CUDA-marked test (pytest -m cuda tests/: build, scores vs the reference, call
+#            cost independent of the pool, only the new tokens' rows written, the store on CUDA
+#            pools; the FlexKV ones skip unless FlexKV is built: the flexkv stage builds it)
 #   compute  the compute benchmark of each GPU config (deploy/bench/compute.py)
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
@@ -62,7 +63,7 @@ status=0
 
 for stage in "${STAGES[@]}"; do
   if [ "$stage" = pytest ]; then
-    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/compute/test_compute_cuda.py 2>&1 \
+    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/ 2>&1 \
       | tee "$OUT/gpu-pytest-cuda.log" || status=1
   fi
   if [ "$stage" = compute ]; then

@@ -23,8 +23,8 @@ from .conftest import run_child
 from .test_store_harness import NS, SPEC, fill_random, slots, tokens
 
 SENTINEL = 7.0  # pool B's initial content: any write a test did not expect shows up
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                reason="no CUDA device"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])]
 
 
 @pytest.fixture
