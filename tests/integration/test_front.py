@@ -10,6 +10,7 @@ the same tritonserver keeps serving correct scores. Ctrl-C stops nginx too.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -43,8 +44,16 @@ GENERATE = f"/v2/models/{ENSEMBLE}/generate"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The running `hstu-serve --host 0.0.0.0`: its ports, endpoints line and process tree."""
-    run_dir = tmp_path_factory.mktemp("front") / "run"
+    """The module's running `hstu-serve --host 0.0.0.0` (no test stops it)."""
+    with fronted_server(tmp_path_factory.mktemp("front")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def fronted_server(base: Path):
+    """`hstu-serve --host 0.0.0.0` under `base`: its ports, endpoints line and process tree; stopped
+    with Ctrl-C on exit if still running."""
+    run_dir = base / "run"
     http, grpc, metrics, triton_http, triton_grpc = free_ports(5)
     cmd = [str(Path(sys.executable).parent / "hstu-serve"), "--host", "0.0.0.0", "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--triton-http-port", str(triton_http),
@@ -198,12 +207,13 @@ def test_well_typed_bodies_pass_the_check(served, reference) -> None:
     assert status == 400 and "candidate_ids" in text and "-5" in text, f"HTTP {status}: {text[:300]}"
 
 
-def test_ctrl_c_stops_nginx_and_leaves_no_process(served) -> None:
-    launcher, tree = served["launcher"], served["tree"]
-    assert "nginx" in " ".join(p.name() for p in tree)
+def test_ctrl_c_stops_nginx_and_leaves_no_process(tmp_path: Path) -> None:
+    with fronted_server(tmp_path) as served:  # its own server: the module's keeps serving the other tests
+        launcher, tree = served["launcher"], served["tree"]
+        assert "nginx" in " ".join(p.name() for p in tree)
 
-    launcher.send_signal(signal.SIGINT)
-    assert launcher.wait(timeout=120) == 0
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 0
 
     time.sleep(0.5)
     alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
