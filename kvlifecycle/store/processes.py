@@ -1,6 +1,7 @@
 """The host tier's child processes: the store server (``python -m kvlifecycle.store``, or another
-entry point speaking its protocol) and ``mooncake_master``. The launcher, the cluster, the
-benchmarks and the tests start them here and stop them with ``stop()``.
+entry point speaking its protocol) and ``mooncake_master``. The cluster (its master), the store
+benchmark and the tests start them here and stop them with ``stop()``; ``hstu-serve`` starts its
+store with its own command line (``deploy/launcher.py``).
 """
 from __future__ import annotations
 
