@@ -63,6 +63,7 @@ def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for model, pids in stubs.items():
+        (out_dir / f"{model}.txt").unlink(missing_ok=True)  # the instances' stacks are appended below
         for pid in pids:
             out = out_dir / f"{model}.{pid}.txt"
             cmd = [py_spy, "record", "--format", "raw", "--threads", "--rate", str(rate),
