@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from deploy.front import connect_host, render_nginx_conf, write_nginx_conf
-from deploy.launcher import (ENSEMBLE, LaunchConfig, Server, _die_with_parent, log_tail, _terminate, _wait_for,
-                             build_model, wait_until_ready)
+from deploy.launcher import ENSEMBLE, LaunchConfig, Server, build_model, wait_until_ready
+from deploy.processes import die_with_parent, log_tail, stop_process_group, wait_for
 from deploy.runtime.settings import REPO_ROOT
 from deploy.serving_options import add_serving_options, serving_settings
 
@@ -146,7 +146,7 @@ class Cluster:
     def stop(self) -> None:
         """nginx, then the servers (they flush into the tier), then the memory node, then the master."""
         if self.nginx is not None:
-            _terminate(self.nginx, "nginx", 10)
+            stop_process_group(self.nginx, "nginx", 10)
             self.nginx = None
         threads = [threading.Thread(target=srv.stop) for srv in self.servers]
         for t in threads:
@@ -155,7 +155,7 @@ class Cluster:
             t.join()
         self._release.set()
         if self.node is not None:
-            _terminate(self.node, "mooncake memory node", 30)
+            stop_process_group(self.node, "mooncake memory node", 30)
             self.node = None
         if self.master is not None:
             self.master.stop()
@@ -207,8 +207,8 @@ class Cluster:
                "--segment-bytes", str(self.config.segment_bytes), "--local-hostname", self.config.host]
         log = open(log_path, "ab")
         self.node = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        _wait_for(lambda: self.node.poll() is not None or b"ready" in log_path.read_bytes(), 60,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        wait_for(lambda: self.node.poll() is not None or b"ready" in log_path.read_bytes(), 60,
                   "the mooncake memory node")
         if self.node.poll() is not None:
             raise RuntimeError(f"mooncake memory node exited with {self.node.returncode}:\n{log_tail(log_path)}")
@@ -243,7 +243,7 @@ class Cluster:
 
     def _start_nginx(self, cmd: list[str]) -> None:
         self.nginx = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+                                      start_new_session=True, preexec_fn=die_with_parent)
         logger.info("nginx pid %d: gRPC %s, HTTP %s", self.nginx.pid, self.grpc_url, self.http_url)
 
     def _wait_ready(self) -> None:

@@ -35,7 +35,8 @@ from deploy.bench.plots import plot_all
 from deploy.bench.report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
                                  format_summary, summarize, to_json)
 from deploy.client import ScoreCheck
-from deploy.launcher import LaunchConfig, Server, free_loopback_ports, new_run_dir
+from deploy.launcher import LaunchConfig, Server, new_run_dir
+from deploy.processes import free_loopback_ports
 from deploy.runtime.schema import COMPUTE
 from deploy.runtime.settings import ServingSettings
 from deploy.serving_options import add_serving_options, serving_settings

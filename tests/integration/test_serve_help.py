@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from deploy import cluster as hstu_cluster
-from deploy import launcher
+from deploy import serve_cli
 from deploy.runtime.settings import ServingSettings
 from kvlifecycle.store import STORE_KINDS
 from tests.conftest import REPO_ROOT
@@ -42,14 +42,14 @@ def test_flexkv_recipe_starts_the_flexkv_store_process(tmp_path: Path) -> None:
 def test_serve_and_cluster_options_are_the_serving_settings(tmp_path: Path) -> None:
     shared = ["--device", "cpu", "--pool-pages", "96", "--lease-ttl-s", "5", "--store-timeout-s", "2"]
 
-    serve, _ = launcher.parse_args([*shared, "--run-dir", str(tmp_path / "run"), "--store", "none"])
+    serve, _ = serve_cli.parse_args([*shared, "--run-dir", str(tmp_path / "run"), "--store", "none"])
     cluster = hstu_cluster.parse_args(shared)
 
     expected = {"device": "cpu", "pool_pages": 96, "lease_ttl_s": 5.0, "store_timeout_s": 2.0}
     for settings in (serve.serving, cluster.server.serving):
         assert {name: getattr(settings, name) for name in expected} == expected
     assert (serve.serving.run_dir, serve.serving.store) == (tmp_path / "run", "none")
-    assert set(launcher.SERVE_OPTIONS) | set(hstu_cluster.CLUSTER_OPTIONS) <= {f.name for f in fields(ServingSettings)}
+    assert set(serve_cli.SERVE_OPTIONS) | set(hstu_cluster.CLUSTER_OPTIONS) <= {f.name for f in fields(ServingSettings)}
 
 
 def test_a_bad_setting_is_a_usage_error_naming_it(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from deploy import make_configs
-from deploy.launcher import build_model, log_tail
+from deploy.launcher import build_model
+from deploy.processes import log_tail
 from tests.conftest import REPO_ROOT, LocalServer, launch_config, rendered_repository
 from tests.reliability.conftest import FAULT_POOL_PAGES, TOLERANCE, EndlessLoad, Users
 

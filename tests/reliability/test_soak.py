@@ -14,7 +14,8 @@ import time
 import psutil
 import pytest
 
-from deploy.launcher import Server, log_tail
+from deploy.launcher import Server
+from deploy.processes import log_tail
 from tests.helpers import metric
 from tests.reliability.conftest import (LOOKUP, EndlessLoad, Users, check_scores, settled_kv_metrics,
                                        wait_drained)
