@@ -22,7 +22,7 @@ from compute.tokens import Ids, check_request, history_tokens, ids_as_tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODEL_SUBDIR", "ReferenceScorer", "default_tolerance", "load_reference", "resolve_model_dir"]
+__all__ = ["BF16_TOLERANCE", "MODEL_SUBDIR", "ReferenceScorer", "default_tolerance", "load_reference", "resolve_model_dir"]
 
 MODEL_SUBDIR = Path("hstu_compute") / "1"
 
@@ -54,10 +54,21 @@ def load_reference(repo_dir: str | os.PathLike = "model_repository", device: str
     return ReferenceScorer(resolve_model_dir(repo_dir), device)
 
 
+BF16_TOLERANCE = 2e-2
+
+
 def default_tolerance(config: HSTUConfig) -> float:
     """The max abs diff a served score may have from this reference: float32 serving agrees to
-    1e-4; bfloat16 or float16 compute, with its rounding over every layer, to 5e-2."""
-    return 1e-4 if config.dtype == "float32" else 5e-2
+    1e-4; bfloat16 or float16 compute, with its rounding over every layer, to ``BF16_TOLERANCE``.
+
+    Why 2e-2 for bf16: served bf16 scores (magnitude about 0.5) have stayed within 7.2e-3 of this
+    reference on both GPU configs over every checked request, so 2e-2 leaves about 3x for longer
+    histories. What it can see: on the small GPU config's reference, a cached prefix of 256
+    events that belongs to another history moves the scores by 8e-2 to 1e-1, half of it by
+    3.5e-2 or more (tests/compute/test_compute_cuda.py proves it on the GPU), but one wrong page
+    (16 events) only by about 1.2e-2 and one wrong event by 3e-3 to 3e-2: below what bf16
+    rounding allows. Single-event sensitivity is proven on the float32 configs, at 1e-4."""
+    return 1e-4 if config.dtype == "float32" else BF16_TOLERANCE
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:

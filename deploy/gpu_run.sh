@@ -31,17 +31,17 @@
 #            host-hit-heavy trace at c=8; p99 with offload on/off at c=8. The cache phase's host hit
 #            is the other model's offload, which FlexKV's per-pool tier never has: nan there)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance 5e-2]
+#   deploy/gpu_run.sh [pytest] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
-STAGES=() CONFIGS="small large" TOL=5e-2
+STAGES=() CONFIGS="small large" TOL_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     pytest|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
     serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
-    --tolerance) TOL="$2"; shift ;;
+    --tolerance) TOL_ARGS=(--tolerance "$2"); shift ;;
     *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
@@ -108,19 +108,19 @@ for stage in "${STAGES[@]}"; do
     config="deploy/configs/gpu_${name}_bf16.json"
     if [ "$stage" = sweep ]; then
       # The float32 reference runs on the GPU too (on the CPU the large config's took over 5 minutes)
-      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages "$POOL_PAGES" \
+      python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages "$POOL_PAGES" \
         --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency ${SWEEP_CONCURRENCY:-1 4 8 16 32 64 128} \
         --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
     fi
     if [ "$stage" = pooldemo ]; then
-      python3 -m deploy.demo --device cuda --model-config "$config" --tolerance "$TOL" --pool-pages 2048 \
+      python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages 2048 \
         --users 128 --requests 256 --median-events 600 --concurrency 1 8 16 \
         --json-out "$OUT/gpu-demo-$name-pool2048.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool2048.log" | grep -v " INFO " || status=1
     fi
     if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
         --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
-        --repeats "${BENCH_REPEATS:-3}" --tolerance "$TOL" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
+        --repeats "${BENCH_REPEATS:-3}" "${TOL_ARGS[@]}" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
     fi
   done

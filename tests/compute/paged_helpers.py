@@ -3,11 +3,13 @@ forward first (so the pool holds its K/V), then the new suffix with its candidat
 
 - ``make_user(rng, config, events, candidates)`` -> ``User``; ``PageAllocator``: hands out page ids.
 - ``serve(run, pool, users, split)``: prefix pass for each user, then one batched suffix call.
+- ``with_other_prefix(user, rng, config, first_event)``: the user with events
+  ``[first_event, cached events)`` replaced, for proving that scores notice a wrong cached prefix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -76,3 +78,12 @@ def serve(run, pool: torch.Tensor, users: list[User]) -> torch.Tensor:
     return run(pool, PagedBatch.from_requests([suffix_request(u) for u in users]))
 
 
+
+
+def with_other_prefix(user: User, rng: np.random.Generator, config: HSTUConfig, first_event: int) -> User:
+    """``user`` with its cached events from ``first_event`` on replaced by random ones: a pool
+    filled with this user's prefix holds K/V that belongs to another history."""
+    cached_events = user.cached_len // 2  # two tokens per event
+    items = user.item_ids.copy()
+    items[first_event:cached_events] = rng.integers(1, config.item_vocab, cached_events - first_event, dtype=np.int64)
+    return replace(user, item_ids=items, tokens=history_tokens(items, user.action_ids, config))

@@ -1,7 +1,9 @@
 """The CUDA package, checked where it runs (marked ``cuda``; skipped on machines without a GPU,
 such as CI, and run on the H200 by ``deploy/gpu_run.sh``).
 
-- the CUDA AOTI package builds, loads, and serves cached == uncached within the bf16 tolerance;
+- the CUDA AOTI package builds, loads, and serves cached == uncached within the bf16 tolerance
+  (``compute.reference.default_tolerance``), and a wrong cached prefix moves its scores beyond it:
+  the tolerance is tight enough to catch one;
 - a call costs its own tokens, not the pool: its time at 256 and at 32,768 pool pages is within
   1.2x, and what it allocates at its peak is under 1% of the pool (the package once copied the
   whole pool twice per call, which no CPU test could see).
@@ -15,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from compute import HSTUConfig, PagedBatch, build, load_compiled, load_reference
+from compute import HSTUConfig, PagedBatch, build, default_tolerance, load_compiled, load_reference
 from deploy.bench.compute import Case, call_peak_bytes, make_batch, median_call_ms
 from deploy.bench.compute import new_pool as zero_pool
-from paged_helpers import PageAllocator, make_user, new_pool, serve
+from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request, with_other_prefix
 
 pytestmark = [
     pytest.mark.cuda,
@@ -26,7 +28,6 @@ pytestmark = [
 ]
 
 GPU_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
-BF16_TOLERANCE = 5e-2  # max abs diff of bf16 paged scores vs the fp32 reference (the demo's --tolerance)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,32 @@ def test_cuda_package_matches_the_reference(cuda_model_dir, cuda_runner):
     expected = np.concatenate([reference.score(0, u.item_ids, u.action_ids, u.candidate_ids) for u in users])
     assert np.isfinite(scores).all()
     worst = float(np.abs(scores - expected).max())
-    assert worst <= BF16_TOLERANCE, f"max abs diff {worst:.3g} vs the fp32 reference, tolerance {BF16_TOLERANCE}"
+    tolerance = default_tolerance(config)
+    assert worst <= tolerance, f"max abs diff {worst:.3g} vs the fp32 reference, tolerance {tolerance}"
+
+
+@pytest.mark.parametrize("first_wrong_event", [0, 128], ids=["another history", "half the prefix"])
+def test_a_wrong_cached_prefix_moves_scores_beyond_the_tolerance(cuda_model_dir, cuda_runner, first_wrong_event):
+    """The guard of the bf16 tolerance: over a pool holding another history's K/V for the cached
+    256 events (all of them, or the later half), the served scores leave the true history's
+    reference by more than the tolerance, while the right prefix stays within it."""
+    config = HSTUConfig.load(cuda_model_dir)
+    reference = load_reference(cuda_model_dir)
+    tolerance = default_tolerance(config)
+    rng = np.random.default_rng(12)
+    user = make_user(rng, config, 600, 16, PageAllocator(64, rng), cached_len=512)
+    want = reference.score(0, user.item_ids, user.action_ids, user.candidate_ids)
+
+    moved = {}
+    for name, written in (("right", user), ("wrong", with_other_prefix(user, rng, config, first_wrong_event))):
+        pool = new_pool(config, 64).cuda()
+        fill_prefix(cuda_runner, pool, written)  # the pool's K/V for tokens [0, 512)
+        scores = cuda_runner(pool, PagedBatch.from_requests([suffix_request(user)])).cpu().numpy()
+        assert scores.shape == want.shape
+        moved[name] = float(np.abs(scores - want).max())
+    assert moved["right"] <= tolerance, f"right prefix: max abs diff {moved['right']:.3g}, tolerance {tolerance}"
+    assert moved["wrong"] > tolerance, (f"a wrong cached prefix moved the scores by only {moved['wrong']:.3g}: the "
+                                        f"tolerance {tolerance} could not tell it from bf16 rounding")
 
 
 def test_call_cost_does_not_grow_with_the_pool(cuda_model_dir, cuda_runner):

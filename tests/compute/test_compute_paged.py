@@ -6,16 +6,19 @@ Every pool starts full of NaN, so reading a slot that no pass wrote shows up in 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compute import PagedBatch
-from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request
+from compute import HSTUConfig, PagedBatch, default_tolerance, load_reference
+from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request, with_other_prefix
 
 TOLERANCE = 1e-4  # fp32 on CPU, docs/ARCHITECTURE.md invariant 1
+GPU_SMALL_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
 
 
 def reference_scores(scorer, users) -> np.ndarray:
@@ -138,6 +141,21 @@ def test_scores_depend_on_the_history(scorer, config):
     base = scorer.score(0, items, actions, cands)
     assert np.abs(scorer.score(0, changed, actions, cands) - base).max() > 20 * TOLERANCE
     assert np.abs(scorer.score(0, items[1:], actions[1:], cands) - base).max() > 20 * TOLERANCE
+
+
+def test_gpu_config_scores_notice_a_wrong_prefix_beyond_the_bf16_tolerance(tmp_path):
+    """The float32 reference of the small GPU config, on the CPU: a cached prefix of 256 events
+    from another history moves the scores by several times the bf16 tolerance, so the GPU's
+    score checks can catch one (test_compute_cuda.py proves it through the served path)."""
+    HSTUConfig.load(GPU_SMALL_CONFIG).save(tmp_path)
+    gpu_scorer = load_reference(tmp_path)
+    config = gpu_scorer.config
+    rng = np.random.default_rng(13)
+    user = make_user(rng, config, 600, 16, PageAllocator(64, rng), cached_len=512)
+    other = with_other_prefix(user, rng, config, 0)
+    base = gpu_scorer.score(0, user.item_ids, user.action_ids, user.candidate_ids)
+    moved = float(np.abs(gpu_scorer.score(0, other.item_ids, other.action_ids, other.candidate_ids) - base).max())
+    assert moved > 2 * default_tolerance(config), f"another history's prefix moved the scores by only {moved:.3g}"
 
 
 @pytest.mark.parametrize("mutate, message", [
