@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 from compute import HSTUConfig, default_tolerance
-from deploy.client import CheckFailed, check_scores, default_processes, reference_scores, replay
 from deploy.launcher import LaunchConfig, Server, new_run_dir
 from deploy.metrics import Sample, scrape
+from deploy.replay import default_processes, replay
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
+from deploy.score_check import CheckFailed, check_scores, reference_scores
 from deploy.server_stats import HopStats, hop_stats, read_model_stats
 from deploy.serving_options import add_serving_options, serving_settings
 from deploy.trace import TraceConfig, generate
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="one or more concurrency levels; every score is checked at each")
     p.add_argument("--processes", type=int,
                    help="client processes per replay, each owning whole users (default: one per 8 clients, "
-                        "at most half the cores; see deploy.client.default_processes)")
+                        "at most half the cores; see deploy.replay.default_processes)")
     add_serving_options(p, DEMO_OPTIONS, store="embedded")  # the main job shows the host tier
     p.add_argument("--tolerance", type=float,
                    help="max abs diff vs the float32 reference (default: 1e-4 for a float32 model, 5e-2 for "

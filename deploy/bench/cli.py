@@ -34,11 +34,11 @@ from deploy.bench.phases import PHASES, Bench, BenchConfig, ServedModel
 from deploy.bench.plots import plot_all
 from deploy.bench.report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
                                  format_summary, summarize, to_json)
-from deploy.client import ScoreCheck
 from deploy.launcher import LaunchConfig, Server, new_run_dir
 from deploy.processes import free_loopback_ports
 from deploy.runtime.schema import COMPUTE
 from deploy.runtime.settings import ServingSettings
+from deploy.score_check import ScoreCheck
 from deploy.serving_options import add_serving_options, serving_settings
 
 logger = logging.getLogger("hstu-bench")

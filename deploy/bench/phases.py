@@ -2,7 +2,7 @@
 
     bench = Bench(server_a, config, model)          # model: the served HSTUConfig and its page size
     bench.run_on_a() -> PhaseResults                # warm-up, then the configured phases, in this order:
-      sweep          throughput and p50/p95/p99 per concurrency (`deploy.client.replay`), `repeats` runs
+      sweep          throughput and p50/p95/p99 per concurrency (`deploy.replay.replay`), `repeats` runs
                      per point, the two models interleaved (ABBA) so drift hits both; Triton's per-model
                      statistics and the KV metrics read around every run.
       perf_analyzer  the same points once per model, a cross-check.
@@ -42,12 +42,14 @@ from deploy.bench.perf_analyzer import run_perf_analyzer
 from deploy.bench.results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
-from deploy.client import RankingClient, ReplayResult, ScoreCheck, default_processes, replay
+from deploy.client import RankingClient
 from deploy.launcher import Server
 from deploy.metrics import Metrics, scrape
+from deploy.replay import ReplayResult, default_processes, replay
 from deploy.runtime.cache_owner import pool_spec
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, RankingRequest
 from deploy.runtime.settings import ServingSettings
+from deploy.score_check import ScoreCheck
 from deploy.server_stats import LOOKUP_OUTCOMES, hop_stats, kv_cache_stats, offload_queue_depth, read_model_stats
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 
@@ -332,7 +334,7 @@ class Bench:
     # ---- one request or run -----------------------------------------------------------------
 
     def replay(self, trace: list[RankingRequest], server: Server, model: str, concurrency: int) -> ReplayResult:
-        """`deploy.client.replay` (over `default_processes(concurrency)` processes, so that the
+        """`deploy.replay.replay` (over `default_processes(concurrency)` processes, so that the
         client is not the limit), counting failed requests; a run that scored nothing raises
         (there is nothing to measure, and its throughput of 0 would read as a result)."""
         result = replay(trace, server.grpc_url, model=model, concurrency=concurrency,

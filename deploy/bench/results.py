@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deploy.bench.perf_analyzer import PerfAnalyzerResult
-from deploy.client import ReplayResult
+from deploy.replay import ReplayResult
 from deploy.server_stats import BatchSizeStats, HopStats, KVCacheStats, LookupStats
 
 PERCENTILES = (50, 95, 99)

@@ -17,12 +17,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from deploy.client import ROUTE_HEADER, check_scores, replay
+from deploy.client import ROUTE_HEADER
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig
 from deploy.metrics import scrape
+from deploy.replay import replay
 from deploy.runtime.schema import ENSEMBLE, LOOKUP
 from deploy.runtime.settings import DEFAULT_MODEL_REPOSITORY
+from deploy.score_check import check_scores
 from deploy.server_stats import LOOKUP_OUTCOMES
 from deploy.trace import TraceConfig, generate
 
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                   "throughput here; this measures the routing and shared-tier path, not multi-host scaling",
         "trace": asdict(trace_config),
         "concurrency": a.concurrency,
-        "client": "deploy.client.replay, route_header=x-user-id (each worker owns whole users, one stream per user)",
+        "client": "deploy.replay.replay, route_header=x-user-id (each worker owns whole users, one stream per user)",
         "runs": runs,
         "speedup_2_vs_1": round(runs[1]["throughput_rps"] / runs[0]["throughput_rps"], 2),
     }

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from deploy.client import replay
+from deploy.replay import replay
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.trace import TraceConfig, generate
 from tests.helpers import assert_scores_match

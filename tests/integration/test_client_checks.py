@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deploy.client import CheckFailed, ReplayResult, check_scores, replay
+from deploy.replay import ReplayResult, replay
 from deploy.runtime.schema import RankingRequest
+from deploy.score_check import CheckFailed, check_scores
 from tests.conftest import REPO_ROOT, free_ports
 
 TRACE = [RankingRequest(7, [11, 12, 13], [1, 0, 2], [21, 22]), RankingRequest(8, [11], [1], [21]),

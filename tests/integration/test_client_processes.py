@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deploy.client import ROUTE_HEADER, default_processes, partition_by_user, replay
+from deploy.client import ROUTE_HEADER
 from deploy.launcher import Server
+from deploy.replay import default_processes, partition_by_user, replay
 from deploy.runtime.schema import ENSEMBLE
 from deploy.trace import TraceConfig, generate
 from tests.conftest import free_ports

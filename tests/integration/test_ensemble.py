@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from compute import HSTUConfig, fingerprint, history_tokens
-from deploy.client import ROUTE_HEADER, RankingClient, replay
+from deploy.client import ROUTE_HEADER, RankingClient
 from deploy.launcher import Server
 from deploy.metrics import scrape
 from deploy import make_configs
+from deploy.replay import replay
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
 from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate, perf_analyzer_data

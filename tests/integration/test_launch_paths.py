@@ -25,11 +25,12 @@ import numpy as np
 import psutil
 import pytest
 
-from deploy.client import check_scores, replay
 from deploy.launcher import build_model, wait_until_ready
 from deploy.metrics import scrape
+from deploy.replay import replay
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, RankingRequest
 from deploy.runtime.settings import DEFAULT_MODEL_DIR, default_run_dir
+from deploy.score_check import check_scores
 from deploy.trace import TraceConfig, generate
 from deploy.triton_env import find_triton
 from kvlifecycle.control import ControlClient

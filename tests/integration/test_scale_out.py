@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.client import ROUTE_HEADER, replay
+from deploy.client import ROUTE_HEADER
 from deploy.cluster import Cluster, ClusterConfig
 from deploy.launcher import LaunchConfig, Server
+from deploy.replay import replay
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.runtime.settings import ServingSettings
 from deploy.trace import TraceConfig, generate

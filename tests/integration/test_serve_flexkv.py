@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from compute import HSTUConfig, history_tokens
-from deploy.client import RankingClient, replay
+from deploy.client import RankingClient
+from deploy.replay import replay
 from deploy.runtime.schema import ENSEMBLE, RankingRequest
 from deploy.trace import TraceConfig, generate
 from kvlifecycle.store.flexkv import flexkv_unavailable_reason
