@@ -1,4 +1,6 @@
-"""The product: hstu_ranking served by a real tritonserver, checked against the reference scorer."""
+"""The product: hstu_ranking served by a real tritonserver, checked against the reference scorer;
+and hstu_monolithic, the baseline every comparison rests on, through the same replays (8 and 16
+clients, a small pool with eviction and host hits, a bad request)."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,11 @@ from tests.helpers import ModelStats, assert_scores_match, metric, wait_for
 pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4
+MODELS = [ENSEMBLE, MONOLITHIC]
+KV_OWNER = {ENSEMBLE: LOOKUP, MONOLITHIC: MONOLITHIC}  # the `model` label of each public model's KV series
+# Added to a trace's seed for the monolithic: both models key pages in one namespace and share the
+# host store, so the same histories would find the other model's pages there.
+SEED_OFFSET = {ENSEMBLE: 0, MONOLITHIC: 100}
 
 
 def assert_matches_reference(trace, result, reference, what: str = "") -> None:
@@ -42,34 +49,38 @@ def assert_matches_reference(trace, result, reference, what: str = "") -> None:
         assert diff <= TOLERANCE, f"{what} request {i} (user {r.user_id}): max abs diff {diff:.2e}"
 
 
-def lookups(server: Server, outcome: str) -> float:
-    return metric(server, "hstu_kv_lookups_total", model="kv_lookup_alloc", outcome=outcome)
+def lookups(server: Server, outcome: str, owner: str = LOOKUP) -> float:
+    return metric(server, "hstu_kv_lookups_total", model=owner, outcome=outcome)
 
 
-def settled_lookups(server: Server) -> dict[str, float]:
+def settled_lookups(server: Server, owner: str = LOOKUP) -> dict[str, float]:
     """The lookup counters once they stop moving. The server is the session's: a test before this
     one may have sent requests whose lookups the models publish up to a second later (their
     metrics thread), and those must not count as this test's."""
     last: dict[str, float] | None = None
     for _ in range(30):
-        now = {o: lookups(server, o) for o in LOOKUP_OUTCOMES}
+        now = {o: lookups(server, o, owner) for o in LOOKUP_OUTCOMES}
         if now == last:
             return now
         last = now
         time.sleep(1.5)  # longer than one publishing interval (METRICS_INTERVAL_S, 1 s)
-    raise AssertionError(f"kv_lookup_alloc's lookup counters kept moving with no request sent: {last}")
+    raise AssertionError(f"{owner}'s lookup counters kept moving with no request sent: {last}")
 
 
-def test_trace_over_8_streams_matches_reference_and_repeats_find_their_pages(server: Server,
-                                                                              reference) -> None:
-    """kv_offload commits a request's pages before it answers, so a user's next request, sent
-    after that answer, finds every full page of it on the device: every repeat is a device hit,
-    and no lookup meets a prefix still being written. Each of the 8 streams owns whole users and
-    sends a user's requests in trace order, one at a time (`replay` with a route header)."""
-    trace = generate(TraceConfig(num_users=20, num_requests=200, seed=1, initial_events_median=120))
+@pytest.mark.parametrize("model", MODELS)
+def test_trace_over_8_streams_matches_reference_and_repeats_find_their_pages(server: Server, reference,
+                                                                              model: str) -> None:
+    """kv_offload (or hstu_monolithic) commits a request's pages before it answers, so a user's
+    next request, sent after that answer, finds every full page of it on the device: every
+    repeat is a device hit, and no lookup meets a prefix still being written. Each of the 8
+    streams owns whole users and sends a user's requests in trace order, one at a time (`replay`
+    with a route header)."""
+    owner = KV_OWNER[model]
+    trace = generate(TraceConfig(num_users=20, num_requests=200, seed=1 + SEED_OFFSET[model],
+                                 initial_events_median=120))
     page_size = HSTUConfig.load(server.settings.model_dir).page_size
-    before = settled_lookups(server)
-    uncommitted_before = uncommitted_prefix_lookups(server)
+    before = settled_lookups(server, owner)
+    uncommitted_before = uncommitted_prefix_lookups(server, owner)
     previous: dict[int, int] = {}  # user -> history events of the user's previous request
     repeats_with_a_full_page = 0
     for r in trace:
@@ -77,20 +88,20 @@ def test_trace_over_8_streams_matches_reference_and_repeats_find_their_pages(ser
             repeats_with_a_full_page += 1
         previous[r.user_id] = len(r.item_ids)
 
-    result = replay(trace, server.grpc_url, model=ENSEMBLE, concurrency=8, route_header=ROUTE_HEADER)
+    result = replay(trace, server.grpc_url, model=model, concurrency=8, route_header=ROUTE_HEADER)
 
-    assert_matches_reference(trace, result, reference)
-    wait_for(lambda: sum(lookups(server, o) - n for o, n in before.items()) >= len(trace), 30,
-             f"kv_lookup_alloc's lookup counters to count {len(trace)} lookups")
-    seen = {o: lookups(server, o) - n for o, n in before.items()}
+    assert_matches_reference(trace, result, reference, what=model)
+    wait_for(lambda: sum(lookups(server, o, owner) - n for o, n in before.items()) >= len(trace), 30,
+             f"{owner}'s lookup counters to count {len(trace)} lookups")
+    seen = {o: lookups(server, o, owner) - n for o, n in before.items()}
     assert seen["device_hit"] == repeats_with_a_full_page, (
         f"{seen}: expected a device hit for each of the {repeats_with_a_full_page} repeat requests whose user's "
         f"previous request had a full page ({len(trace) - len(previous)} repeat requests)")
-    assert uncommitted_prefix_lookups(server) == uncommitted_before, "a lookup met a prefix not committed yet"
+    assert uncommitted_prefix_lookups(server, owner) == uncommitted_before, "a lookup met a prefix not committed yet"
 
 
-def uncommitted_prefix_lookups(server: Server) -> float:
-    return metric(server, "hstu_kv_uncommitted_prefix_lookups_total", model="kv_lookup_alloc")
+def uncommitted_prefix_lookups(server: Server, owner: str = LOOKUP) -> float:
+    return metric(server, "hstu_kv_uncommitted_prefix_lookups_total", model=owner)
 
 
 def test_committed_configs_are_the_generator_output() -> None:
@@ -118,6 +129,15 @@ def test_steps_batch_as_configured_under_concurrent_load(server: Server, referen
     assert max(batched.batches) <= (make_configs.LIFECYCLE_MAX_BATCH_SIZE if step != COMPUTE else 64), batched
     print(f"{step} at concurrency 16: {batched.inferences} requests in {batched.executions} executions, "
           f"batch sizes {dict(sorted(batched.batches.items()))}")
+
+
+def test_monolithic_at_concurrency_16_matches_reference(server: Server, reference) -> None:
+    """The trace the batching test above sends at concurrency 16, to the baseline (one instance,
+    one request per execute): every request queued behind others is still scored right."""
+    trace = generate(TraceConfig(num_users=48, num_requests=64, seed=7 + SEED_OFFSET[MONOLITHIC], zipf_a=0.2,
+                                 initial_events_median=150))
+    result = replay(trace, server.grpc_url, model=MONOLITHIC, concurrency=16)
+    assert_matches_reference(trace, result, reference, what=MONOLITHIC)
 
 
 def test_http_generate_matches_reference(server: Server, reference) -> None:
@@ -165,11 +185,12 @@ def test_perf_analyzer_streams_a_trace_with_sane_figures(server: Server, tmp_pat
     assert served.fail == 0 and served.success >= count, f"Triton counted {served}; perf_analyzer {count} requests"
 
 
-def test_bad_request_names_the_field(server: Server, reference) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_bad_request_names_the_field(server: Server, reference, model: str) -> None:
     from deploy.client import RequestFailed
     from deploy.runtime.schema import RankingRequest
 
-    with RankingClient(server.grpc_url) as client:
+    with RankingClient(server.grpc_url, model=model) as client:
         with pytest.raises(RequestFailed, match="action_ids"):
             client.score(RankingRequest(1, [1, 2, 3], [0, 1], [5]))
         # The stream still works afterwards: the next request gets the reference's scores.
@@ -187,14 +208,19 @@ def small_pool_server(tmp_path_factory):
         srv.stop()
 
 
-def test_small_pool_serves_many_users_correctly_with_host_hits(small_pool_server: Server, reference) -> None:
-    trace = generate(TraceConfig(num_users=30, num_requests=150, seed=5, zipf_a=0.3, initial_events_median=150,
-                                 initial_events_sigma=0.3))
-    result = replay(trace, small_pool_server.grpc_url, model=ENSEMBLE, concurrency=2)
-    assert_matches_reference(trace, result, reference)
-    shown = lambda: (lookups(small_pool_server, "host_hit"),  # noqa: E731
-                     metric(small_pool_server, "hstu_kv_onboarded_pages_total", model="kv_lookup_alloc"))
-    wait_for(lambda: min(shown()) > 0, 30, lambda: f"host hits and onboarded pages (so far {shown()})")
+@pytest.mark.parametrize("model", MODELS)
+def test_small_pool_serves_many_users_correctly_with_host_hits(small_pool_server: Server, reference,
+                                                                model: str) -> None:
+    """Each model has a pool of its own of 96 pages, far fewer than the trace's users need: pages
+    are evicted, and users come back as host hits (onboarded from the host store)."""
+    owner = KV_OWNER[model]
+    trace = generate(TraceConfig(num_users=30, num_requests=150, seed=5 + SEED_OFFSET[model], zipf_a=0.3,
+                                 initial_events_median=150, initial_events_sigma=0.3))
+    result = replay(trace, small_pool_server.grpc_url, model=model, concurrency=2)
+    assert_matches_reference(trace, result, reference, what=model)
+    shown = lambda: (lookups(small_pool_server, "host_hit", owner),  # noqa: E731
+                     metric(small_pool_server, "hstu_kv_onboarded_pages_total", model=owner))
+    wait_for(lambda: min(shown()) > 0, 30, lambda: f"{owner}'s host hits and onboarded pages (so far {shown()})")
 
 
 def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -> None:
