@@ -101,7 +101,7 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
         _python_model(schema.MONOLITHIC, 0)
         + _io("input", schema.ENSEMBLE_INPUTS)
         + _io("output", (scores,))
-        # Today's public deployment shape: one instance, no batching.
+        # The public deployment shape the ensemble is compared with: one instance, no batching.
         + _instances(gpu_kind, 1)
     )
     configs[schema.ENSEMBLE] = (
@@ -153,12 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
                    help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s)")
     p.add_argument("--offload-instances", type=int, default=1,
-                   help="kv_offload processes (default %(default)s); on the H200 one of them was the busiest "
-                        "step at c=32")
+                   help="kv_offload processes (default %(default)s): more where kv_offload is the busiest step "
+                        "(docs/benchmarks/2026-12-03-h200-served.md)")
     p.add_argument("--compute-instances", type=int, default=1,
-                   help="hstu_compute processes (default %(default)s). An experiment, not measured on the GPU "
-                        "yet: on the H200 one instance holds a whole batch while its host hits' copies finish. "
-                        "On a 2-core CPU machine 2 instances made the p99 12x worse (their threads share the cores)")
+                   help="hstu_compute processes (default %(default)s), an experiment: one instance holds a whole "
+                        "batch while its host hits' copies finish, and instances on a CPU host share its cores "
+                        "(docs/benchmarks/2026-12-05-h200-plan-tensor-host-hits.md)")
     a = p.parse_args(argv)
     for name in ("offload_instances", "compute_instances"):
         if getattr(a, name) < 1:
