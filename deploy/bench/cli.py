@@ -9,7 +9,8 @@ sweep, perf_analyzer, cache, hop overhead, device hit), then starts server B (`-
 for the offload on/off comparison, and server C (a small pool) for the host-hit-heavy load. Writes deploy/reports/<date>-<device>.json (deploy/bench/report.py), three
 PNG plots next to it (deploy/bench/plots.py), and prints a summary.
 
-The modules, one job each: phases (the measurements), results (their typed results),
+The modules, one job each: config (the phases, the load, the served model), phases (the
+measurements), metric_waits (waits on the KV metrics between runs), results (their typed results),
 deploy.server_stats (Triton's statistics and the hstu_kv_* metrics around a run), perf_analyzer,
 report (summary, goals, formatting, JSON), plots.
 """
@@ -30,7 +31,8 @@ from pathlib import Path
 from typing import Iterator
 
 from compute import default_tolerance
-from deploy.bench.phases import PHASES, Bench, BenchConfig, ServedModel
+from deploy.bench.config import PHASES, BenchConfig, ServedModel
+from deploy.bench.phases import Bench
 from deploy.bench.plots import plot_all
 from deploy.bench.report import (BenchReport, ComputeBatching, Machine, ScoreCheckResult, ServedModelInfo, ServerSetup,
                                  format_summary, summarize, to_json)

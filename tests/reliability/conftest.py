@@ -18,11 +18,13 @@
 - `wait_drained(server)`: waits until no page is leased or pinned (every lease committed or
   returned, every offload reaped) and returns the owner's stats.
 - `kv_metrics(server)`: the KV series of the metrics port that bad input must not change.
-- `fire_together(url, requests)`: one stream per request, all released at once (batching, races).
+- `fire_together(url, requests, model=...)`: one stream per request, all released at once (batching, races).
 - `send_in_order(server, groups)`: groups of requests sent one after the other, each once
   kv_lookup_alloc answered the ones before it, so hstu_compute queues them in that order;
   `could_run_alone(batch_sizes, position)` reads Triton's batch statistics of such a run.
-- `Load(url, requests, concurrency)`: background closed-loop load with progress, for faults mid-load.
+- `Load(url, requests, concurrency, model=...)`: background closed-loop load with progress, for faults
+  mid-load.
+- `MODELS`, `KV_OWNER`: the two public models, and the `model` label of each one's KV series.
 - `Users` and `EndlessLoad(url, users, concurrency)`: endless requests of many users with growing
   histories, sent by closed-loop clients until `stop()` (the soak, the rollout, `stress.py`).
 """
@@ -47,7 +49,7 @@ import pytest
 from compute import HSTUConfig
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server, build_model
-from deploy.runtime.schema import COMPUTE, OFFLOAD, RankingRequest
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC, OFFLOAD, RankingRequest
 from kvlifecycle.control import ControlClient
 from kvlifecycle.store import open_store
 from tests.conftest import LocalServer, launch_config
@@ -62,6 +64,8 @@ REAL_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 FAULT_POOL_PAGES = 384
 TOLERANCE = 1e-4
 LOOKUP = "kv_lookup_alloc"
+MODELS = [ENSEMBLE, MONOLITHIC]  # the two public models: every serving scenario runs against both
+KV_OWNER = {ENSEMBLE: LOOKUP, MONOLITHIC: MONOLITHIC}  # the `model` label of each public model's page table series
 
 
 def fault_repository(root: Path) -> Path:
@@ -301,16 +305,16 @@ def evict_from_device(client, first_user: int, pages: int = FAULT_POOL_PAGES + 1
 
 
 
-def fire_together(url: str, requests: list[RankingRequest], timeout_s: float = 120.0) -> list:
-    """Send each request on its own stream, all released at once; returns per request its scores
-    or the exception (RequestFailed, TimeoutError: a hang) it raised."""
+def fire_together(url: str, requests: list[RankingRequest], timeout_s: float = 120.0, model: str = ENSEMBLE) -> list:
+    """Send each request to `model` on its own stream, all released at once; returns per request
+    its scores or the exception (RequestFailed, TimeoutError: a hang) it raised."""
     barrier = threading.Barrier(len(requests))
 
     def start(threads: list[threading.Thread]) -> None:
         for t in threads:
             t.start()
 
-    return _each_on_its_own_stream(url, requests, timeout_s, start, before_send=barrier.wait)
+    return _each_on_its_own_stream(url, requests, timeout_s, start, before_send=barrier.wait, model=model)
 
 
 BLOCKER_EVENTS = 2048  # a fresh max-length history: ~0.7 s of hstu_compute on 2 CPU cores, 128 pages
@@ -346,12 +350,12 @@ def send_in_order(server: Server, groups: list[list[RankingRequest]], timeout_s:
 
 def _each_on_its_own_stream(url: str, requests: list[RankingRequest], timeout_s: float,
                             start: Callable[[list[threading.Thread]], None],
-                            before_send: Callable[[], object] | None = None) -> list:
+                            before_send: Callable[[], object] | None = None, model: str = ENSEMBLE) -> list:
     """One client and one thread per request; `start(threads)` starts the threads (thread `i`
     sends request `i`, after `before_send()`). Returns each request's scores or the exception it
     raised; a thread still running after the timeout fails the test."""
     out: list = [None] * len(requests)
-    clients = [RankingClient(url, timeout_s=timeout_s) for _ in requests]
+    clients = [RankingClient(url, model=model, timeout_s=timeout_s) for _ in requests]
 
     def one(i: int) -> None:
         if before_send is not None:
@@ -389,15 +393,16 @@ def could_run_alone(batch_sizes: Counter, position: int) -> bool:
 
 
 class Load:
-    """Closed-loop clients in the background serving `requests` in order; `done` counts
-    answered requests; `results` maps request index -> scores or the exception raised."""
+    """Closed-loop clients in the background sending `requests` to `model` in order; `done`
+    counts answered requests; `results` maps request index -> scores or the exception raised."""
 
-    def __init__(self, url: str, requests: list[RankingRequest], concurrency: int, timeout_s: float = 120.0):
+    def __init__(self, url: str, requests: list[RankingRequest], concurrency: int, timeout_s: float = 120.0,
+                 model: str = ENSEMBLE):
         self.requests = requests
         self.results: dict[int, object] = {}
         self._next = iter(range(len(requests)))
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._worker, args=(url, timeout_s), daemon=True)
+        self._threads = [threading.Thread(target=self._worker, args=(url, model, timeout_s), daemon=True)
                          for _ in range(concurrency)]
         for t in self._threads:
             t.start()
@@ -419,8 +424,8 @@ class Load:
         assert not any(t.is_alive() for t in self._threads), "a load client hung"
         return self.results
 
-    def _worker(self, url: str, timeout_s: float) -> None:
-        with RankingClient(url, timeout_s=timeout_s) as client:
+    def _worker(self, url: str, model: str, timeout_s: float) -> None:
+        with RankingClient(url, model=model, timeout_s=timeout_s) as client:
             while True:
                 with self._lock:
                     i = next(self._next, None)
@@ -447,8 +452,11 @@ def register_pool(server: Server, timeout_s: float = 120.0) -> None:
         store.close()
 
 
-def store_errors(server: Server) -> float:
-    return metric(server, "hstu_kv_store_errors_total")
+def store_errors(server: Server, models: tuple[str, ...] = ()) -> float:
+    """hstu_kv_store_errors_total of `models` (each a `model` label), or of every model."""
+    if not models:
+        return metric(server, "hstu_kv_store_errors_total")
+    return sum(metric(server, "hstu_kv_store_errors_total", model=m) for m in models)
 
 
 class Users:

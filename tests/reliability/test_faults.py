@@ -3,14 +3,15 @@
 On the session `server`:
 - a client that cancels its stream or dies with requests in flight (proven: answers missing at the
   cancel, leases returned by abort or expiry): others are served, leases return;
-- two concurrent requests for the same user: both correct.
+- two concurrent requests for the same user: both correct (the ensemble and the monolithic).
 
 On `fault_server` (small pool, fault injection):
 - hstu_compute raising on one request (a test subclass of the model, `fault_models/`) that shares a
   dynamic batch with good ones: that request fails, its lease is aborted (pages back at once, not
   by expiry), its batch-mates are correct;
-- the host store killed mid-load: requests keep being served correctly (recompute), store errors
-  are counted, and the restarted store is reconnected (offloads and host hits again);
+- the host store killed mid-load, under the ensemble and under the monolithic: requests keep
+  being served correctly (recompute), store errors are counted, and the restarted store is
+  reconnected (a new user's pages reach it, and come back as a host hit);
 - the host store slow (`tests/slow_store.py`, its copies held until the test lets them go): an
   onboard times out and is recomputed, no hang, and the wait for it is hstu_compute's, not
   kv_lookup_alloc's (the owner launched the copy and answered before the onboard timed out);
@@ -34,15 +35,17 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from compute import HSTUConfig, fingerprint, history_tokens
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.runtime.schema import COMPUTE, ENSEMBLE, RankingRequest
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC, OFFLOAD, RankingRequest
 from deploy.server_stats import read_model_stats
 from kvlifecycle.rpc import TIMEOUTS
+from kvlifecycle.store import open_store
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
 from tests.helpers import ModelStats, metric, wait_for
-from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, LOOKUP,
+from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, KV_OWNER, LOOKUP, MODELS,
                                         SLOW_COMMIT_CANDIDATE, FaultServer, Load,
                                         blocker, check_scores, could_run_alone, evict_from_device, fire_together, held,
                                         history, owner_stats, register_pool, send_in_order, settled_kv_metrics,
@@ -114,7 +117,8 @@ def test_clients_gone_mid_stream_others_served_and_leases_return(server: Server,
         check_scores(reference, others[0], client.score(others[0]))
 
 
-def test_two_concurrent_requests_for_the_same_user_are_both_correct(server: Server, reference) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_two_concurrent_requests_for_the_same_user_are_both_correct(server: Server, reference, model: str) -> None:
     base = history(6000, 100, seed=4)
     items, actions = list(base.item_ids), list(base.action_ids)
     for round_ in range(8):
@@ -123,9 +127,9 @@ def test_two_concurrent_requests_for_the_same_user_are_both_correct(server: Serv
         actions += [round_ % 16] * 20
         longer = RankingRequest(6000, list(items), list(actions), base.candidate_ids[:5])
         pairs = [shorter, shorter] if round_ % 2 else [shorter, longer]
-        for request, outcome in zip(pairs, fire_together(server.grpc_url, pairs)):
-            assert isinstance(outcome, np.ndarray), f"round {round_}: {outcome!r}"
-            check_scores(reference, request, outcome, what=f"round {round_}")
+        for request, outcome in zip(pairs, fire_together(server.grpc_url, pairs, model=model)):
+            assert isinstance(outcome, np.ndarray), f"{model} round {round_}: {outcome!r}"
+            check_scores(reference, request, outcome, what=f"{model} round {round_}")
     wait_drained(server)
 
 
@@ -169,12 +173,49 @@ def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fau
     assert metric(fault_server, "hstu_kv_pages", model=LOOKUP, state="pinned") == 0
 
 
-def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_server: FaultServer, reference) -> None:
-    trace = [without_fault_candidate(r) for r in generate(TraceConfig(
-        num_users=20, num_requests=60, seed=11, zipf_a=0.5, initial_events_median=120, initial_events_sigma=0.4))]
-    errors_before = store_errors(fault_server)
+STORE_CLIENTS = {ENSEMBLE: (LOOKUP, OFFLOAD), MONOLITHIC: (MONOLITHIC,)}  # the models whose store errors count
 
-    load = Load(fault_server.grpc_url, trace, concurrency=4)
+
+def in_the_store(server: Server, request: RankingRequest) -> bool:
+    """Whether the host store holds every full page of `request`'s history (asked directly; both
+    models key their pages in the namespace of the server's model folder)."""
+    config = HSTUConfig.load(server.settings.model_dir)
+    tokens = history_tokens(request.item_ids, request.action_ids, config)
+    store = open_store("embedded", endpoint=server.settings.store_endpoint, page_size=config.page_size,
+                       rpc_timeout_s=10.0)
+    try:
+        _, mask = store.get_match(tokens, fingerprint(server.settings.model_dir))
+    finally:
+        store.close()
+    full = tokens.numel() // config.page_size * config.page_size
+    return full > 0 and int(np.asarray(mask, dtype=bool).sum()) == full
+
+
+def settled(read, what: str):
+    """`read()` once two reads 1.5 s apart agree: the models publish their counters every second,
+    so a value read right after an answer may not count it yet."""
+    last = None
+    for _ in range(20):
+        now = read()
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.5)
+    raise AssertionError(f"{what} kept moving with no request sent: {last}")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_server: FaultServer, reference,
+                                                                       model: str) -> None:
+    tag = MODELS.index(model)  # users of its own per model: the other model's pages are in the store too
+    first_user = 2000 + 6000 * tag
+    trace = [without_fault_candidate(r) for r in generate(TraceConfig(
+        num_users=20, num_requests=60, seed=11 + tag, zipf_a=0.5, initial_events_median=120,
+        initial_events_sigma=0.4))]
+    errors = lambda: store_errors(fault_server, STORE_CLIENTS[model])  # noqa: E731
+    errors_before = errors()
+
+    load = Load(fault_server.grpc_url, trace, concurrency=4, model=model)
     load.wait_done(12)
     fault_server.kill_store()
     load.wait_done(30)  # served while the store is down
@@ -182,40 +223,39 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
     results = load.join()
 
     for i, outcome in sorted(results.items()):
-        assert isinstance(outcome, np.ndarray), f"request {i} failed while the store was killed: {outcome!r}"
-        check_scores(reference, trace[i], outcome, what=f"request {i}")
-    wait_for(lambda: store_errors(fault_server) > errors_before, 30,
-             "the store outage to be counted in hstu_kv_store_errors_total")
+        assert isinstance(outcome, np.ndarray), f"{model} request {i} failed while the store was killed: {outcome!r}"
+        check_scores(reference, trace[i], outcome, what=f"{model} request {i}")
+    wait_for(lambda: errors() > errors_before, 30,
+             f"the store outage to be counted in {model}'s hstu_kv_store_errors_total")
 
     # Reconnected by itself: a new user's pages reach the restarted store (no test help: the
     # models' store clients re-register the pool when the store answers NO_POOL).
-    with RankingClient(fault_server.grpc_url) as client:
-        offloaded = metric(fault_server, "hstu_kv_offloaded_pages_total")
+    with RankingClient(fault_server.grpc_url, model=model) as client:
         probes: list[RankingRequest] = []
 
         def probe_reaches_the_store() -> bool:
-            probes.append(history(2000 + len(probes), 300, seed=1))
-            check_scores(reference, probes[-1], client.score(probes[-1]), what="after the store restart,")
-            wait_drained(fault_server)
-            return metric(fault_server, "hstu_kv_offloaded_pages_total") > offloaded
+            probes.append(history(first_user + len(probes), 300, seed=1))
+            check_scores(reference, probes[-1], client.score(probes[-1]), what=f"{model} after the store restart,")
+            wait_drained(fault_server)  # the ensemble's offloads reaped (the monolithic's before it answered)
+            return in_the_store(fault_server, probes[-1])
 
         probing = time.monotonic()
         wait_for(probe_reaches_the_store, 180, "an offload to reach the restarted store", interval_s=1.0)
-        print(f"store killed mid-load: {len(probes)} probe request(s) over {time.monotonic() - probing:.1f}s until "
-              "an offload reached the restarted store")
+        print(f"{model}, store killed mid-load: {len(probes)} probe request(s) over {time.monotonic() - probing:.1f}s "
+              "until an offload reached the restarted store")
         # ... and come back as host hits, with no store errors any more.
+        owner = KV_OWNER[model]
+        shown = lambda: (metric(fault_server, "hstu_kv_lookups_total", model=owner, outcome="host_hit"),  # noqa: E731
+                         metric(fault_server, "hstu_kv_onboarded_pages_total", model=owner), errors())
+        hits, onboarded, errors_then = settled(shown, f"{model}'s host hits, onboarded pages and store errors")
         user = probes[-1]
-        errors = store_errors(fault_server)
-        before = owner_stats(fault_server)
-        evict_from_device(client, first_user=2100)
-        check_scores(reference, user, client.score(user), what="host hit after the store restart,")
-    after = wait_drained(fault_server)
-    assert after["lookups_host_hit"] > before["lookups_host_hit"], "no host hit after the store restart"
-    assert after["onboarded_pages"] > before["onboarded_pages"], "nothing onboarded after the store restart"
-    wait_for(lambda: (metric(fault_server, "hstu_kv_onboarded_pages_total", model=LOOKUP) == after["onboarded_pages"]
-                      and metric(fault_server, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit")
-                      == after["lookups_host_hit"]), 30, "the metrics port to show the host hits and onboarded pages")
-    assert store_errors(fault_server) == errors, "store errors still growing after the store came back"
+        evict_from_device(client, first_user=first_user + 100)
+        check_scores(reference, user, client.score(user), what=f"{model} host hit after the store restart,")
+    wait_drained(fault_server)
+    wait_for(lambda: shown()[0] > hits and shown()[1] > onboarded, 30,
+             lambda: f"a host hit that onboarded pages after the store restart: host hits, onboarded pages and "
+                     f"store errors {(hits, onboarded, errors_then)} -> {shown()}")
+    assert errors() == errors_then, "store errors still growing after the store came back"
 
 
 @dataclass
