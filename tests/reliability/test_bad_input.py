@@ -4,6 +4,8 @@ Each case is sent on a raw gRPC stream (so dtypes and shapes can be wrong on pur
 owner's page table counters (lookups, allocations, page states; read over the control socket) must
 be identical before and after, and over the whole table the metrics port's `hstu_kv_pages` and
 `hstu_kv_lookups_total` must not move. A valid request afterwards still gets correct scores.
+hstu_monolithic gets every case too: each is refused naming its field, and its KV lookups count
+only the valid request sent after them.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from hypothesis import strategies as st
 
 from deploy.client import RankingClient, RequestFailed
 from deploy.launcher import Server
-from deploy.runtime.schema import ENSEMBLE, RETRYABLE, RankingRequest
+from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, RETRYABLE, RankingRequest
 from deploy.triton_env import find_triton, triton_env
 from tests.conftest import free_ports
-from tests.reliability.conftest import (check_scores, fire_together, history, owner_stats, settled_kv_metrics,
+from tests.helpers import metric, wait_for
+from tests.reliability.conftest import (MODELS, check_scores, fire_together, history, owner_stats, settled_kv_metrics,
                                        wait_drained)
 
 pytestmark = pytest.mark.integration
@@ -35,9 +38,10 @@ VALID = {"user_id": [7], "item_ids": [11, 12, 13], "action_ids": [1, 0, 2], "can
 MAX_EVENTS, MAX_CANDIDATES, ITEM_VOCAB, ACTION_VOCAB = 2048, 256, 100_000, 16
 
 
-def raw_request(url: str, arrays: dict[str, np.ndarray], timeout_s: float = 120.0) -> tuple[np.ndarray | None, str]:
-    """Send one request as given (any dtype, shape or missing input) on a fresh gRPC stream;
-    returns (scores, "") or (None, the server's error message)."""
+def raw_request(url: str, arrays: dict[str, np.ndarray], timeout_s: float = 120.0,
+                model: str = ENSEMBLE) -> tuple[np.ndarray | None, str]:
+    """Send one request to `model` as given (any dtype, shape or missing input) on a fresh gRPC
+    stream; returns (scores, "") or (None, the server's error message)."""
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
@@ -48,7 +52,7 @@ def raw_request(url: str, arrays: dict[str, np.ndarray], timeout_s: float = 120.
             t = grpcclient.InferInput(name, list(arr.shape), dtype)
             t.set_data_from_numpy(arr)
             inputs.append(t)
-        client.async_stream_infer(ENSEMBLE, inputs)
+        client.async_stream_infer(model, inputs)
         result, error = answers.get(timeout=timeout_s)  # queue.Empty here is a hang
         return (None, str(error)) if error is not None else (result.as_numpy("scores"), "")
     finally:
@@ -122,6 +126,37 @@ def test_valid_request_after_the_bad_ones_is_correct_and_the_metrics_did_not_mov
     scores, error = raw_request(server.grpc_url, arrays())
     assert not error
     check_scores(reference, request, scores)
+
+
+def monolithic_lookups(server: Server) -> dict[str, float]:
+    return {o: metric(server, "hstu_kv_lookups_total", model=MONOLITHIC, outcome=o)
+            for o in ("device_hit", "host_hit", "miss")}
+
+
+def test_monolithic_refuses_every_bad_request_naming_the_field_and_looks_up_none(server: Server, reference) -> None:
+    """Every bad case, then a valid request, to hstu_monolithic: each case's error names its
+    field, and its lookup counters move by the valid request's lookup alone. It serves one
+    request at a time, in order, so once its published counters show the valid request they
+    show every bad one before it too."""
+    def stable() -> dict[str, float] | None:  # the counters are published every second
+        first = monolithic_lookups(server)
+        time.sleep(1.5)
+        return first if monolithic_lookups(server) == first else None
+
+    before = wait_for(stable, 30, "hstu_monolithic's lookup counters to stop moving")
+    for case, request_arrays, field, detail in CASES:
+        scores, error = raw_request(server.grpc_url, request_arrays, model=MONOLITHIC)
+        assert scores is None, f"{case}: served scores {scores.shape} for a bad request"
+        assert field in error and detail in error, f"{case}: error does not name {field!r} ({detail!r}): {error}"
+        assert (RETRYABLE in error) == ("resend" in detail), f"{case}: retryable only when corrupted in transit: {error}"
+    request = RankingRequest(7, [11, 12, 13], [1, 0, 2], [21, 22])  # 6 tokens, no full page: a miss
+    scores, error = raw_request(server.grpc_url, arrays(), model=MONOLITHIC)
+    assert not error, error
+    check_scores(reference, request, scores, what=MONOLITHIC)
+
+    moved = lambda: {o: n - before[o] for o, n in monolithic_lookups(server).items()}  # noqa: E731
+    wait_for(lambda: sum(moved().values()) >= 1, 30, "hstu_monolithic's lookup counters to count the valid request")
+    assert moved() == {"device_hit": 0, "host_hit": 0, "miss": 1}, f"lookups moved by {moved()}: bad requests looked up"
 
 
 # ---- HTTP /generate ------------------------------------------------------------------------------
@@ -280,21 +315,26 @@ BATCH_BAD = [  # (request, the field its error must name): each passes Triton's 
 BATCH_GOOD = 5
 
 
-def test_bad_requests_sent_with_good_ones_fail_alone(server: Server, reference) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_bad_requests_sent_with_good_ones_fail_alone(server: Server, reference, model: str) -> None:
     """Bad and good requests released together: the bad ones get their own errors, the good
     ones their scores, and nothing is leaked. (kv_lookup_alloc takes one request per execute
     by default, deploy/make_configs.py says why; its execute answers a bad request of a larger
-    batch before the batch runs.)"""
+    batch before the batch runs. hstu_monolithic serves one request per execute.)"""
     good = [history(9_100 + i, 40, candidates=4) for i in range(BATCH_GOOD)]
-    outcomes = fire_together(server.grpc_url, good + [r for r, _ in BATCH_BAD])
+    outcomes = fire_together(server.grpc_url, good + [r for r, _ in BATCH_BAD], model=model)
 
     for request, outcome in zip(good, outcomes):
-        assert isinstance(outcome, np.ndarray), f"user {request.user_id} failed: {outcome!r}"
-        check_scores(reference, request, outcome)
+        assert isinstance(outcome, np.ndarray), f"{model} user {request.user_id} failed: {outcome!r}"
+        check_scores(reference, request, outcome, what=model)
     for (request, field), outcome in zip(BATCH_BAD, outcomes[BATCH_GOOD:]):
         assert isinstance(outcome, RequestFailed) and field in str(outcome), (
-            f"user {request.user_id}: expected an error naming {field!r}, got {outcome!r}")
-    wait_drained(server)  # every good lease committed, nothing leaked by the bad ones
+            f"{model} user {request.user_id}: expected an error naming {field!r}, got {outcome!r}")
+    if model == ENSEMBLE:
+        wait_drained(server)  # every good lease committed, nothing leaked by the bad ones
+    else:
+        leased = lambda: metric(server, "hstu_kv_pages", model=MONOLITHIC, state="leased")  # noqa: E731
+        wait_for(lambda: leased() == 0, 30, lambda: f"hstu_monolithic's leased pages back to 0: {leased()}")
 
 
 # ---- helpers -------------------------------------------------------------------------------------
