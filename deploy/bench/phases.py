@@ -32,82 +32,33 @@ import json
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from compute import HSTUConfig
+from deploy.bench.config import MODELS, BenchConfig, ServedModel
+from deploy.bench.metric_waits import drain_offloads, lookup_owner, lookups_published, lookups_total
 from deploy.bench.perf_analyzer import run_perf_analyzer
 from deploy.bench.results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
                                   Spread, Sweep, SweepPoint, TimedRequest, TraceSummary)
 from deploy.client import RankingClient
 from deploy.launcher import Server
-from deploy.metrics import Metrics, scrape
+from deploy.metrics import scrape
 from deploy.replay import ReplayResult, default_processes, replay
-from deploy.runtime.cache_owner import pool_spec
-from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, RankingRequest
-from deploy.runtime.settings import ServingSettings
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC, RankingRequest
 from deploy.score_check import ScoreCheck
-from deploy.server_stats import LOOKUP_OUTCOMES, hop_stats, kv_cache_stats, offload_queue_depth, read_model_stats
+from deploy.server_stats import LOOKUP_OUTCOMES, hop_stats, kv_cache_stats, read_model_stats
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 
 logger = logging.getLogger("hstu-bench")
 
-MODELS = (ENSEMBLE, MONOLITHIC)
-PHASES = ("sweep", "perf_analyzer", "cache", "hop_overhead", "device_hit", "offload", "host_hits")
 CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
 OFFLOAD_SETTLE_S = 0.5  # both models offload a request's pages after its answer; let the puts land
 METRICS_SETTLE_S = 1.5  # the models publish their KV metrics every second
-LOOKUPS_PUBLISHED_TIMEOUT_S = 10.0  # a request's lookup shows in the metrics within a second or two
 HOST_HIT_USERS_PER_REQUEST_IN_FLIGHT = 32  # host_hits' trace: users (one request each) per request in flight
-
-
-@dataclass
-class BenchConfig:
-    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
-    repeats: int = 3
-    users: int = 20
-    requests: int = 200
-    initial_events_median: float = 200.0
-    warmup_requests: int = 32
-    phases: tuple[str, ...] = PHASES
-    pa_interval_ms: int = 3000  # perf_analyzer: 3 windows of this length per point
-    overhead_requests: int = 30
-    device_hit_requests: int = 100  # per block of the device_hit phase
-    device_hit_tokens: tuple[int, ...] = (1024, 4096)  # its history lengths
-    offload_concurrency: int = 8  # also the host_hits phase's
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.repeats < 1:
-            raise ValueError(f"repeats={self.repeats}: expected >= 1")
-        if not self.concurrencies or min(self.concurrencies) < 1:
-            raise ValueError(f"concurrencies={self.concurrencies}: expected positive integers")
-        unknown = set(self.phases) - set(PHASES)
-        if unknown:
-            raise ValueError(f"phases: unknown {sorted(unknown)}; expected some of {PHASES}")
-
-    @classmethod
-    def quick(cls) -> "BenchConfig":
-        return cls(users=16, requests=128, initial_events_median=150.0, warmup_requests=24, pa_interval_ms=2000,
-                   overhead_requests=20, device_hit_requests=30, device_hit_tokens=(1024,))
-
-
-@dataclass
-class ServedModel:
-    """The served HSTUConfig, and the bytes of one page of its KV cache."""
-
-    config: HSTUConfig
-    page_bytes: int
-
-    @classmethod
-    def load(cls, settings: ServingSettings) -> "ServedModel":
-        config = HSTUConfig.load(settings.model_dir)
-        return cls(config, pool_spec(config, settings).page_bytes)
 
 
 class Bench:
@@ -279,7 +230,7 @@ class Bench:
                 for side in (("on", "off") if r % 2 == 0 else ("off", "on")):
                     server = self.server if side == "on" else off
                     runs[model][side].append(self.measured_replay(server, model, c))
-                    _drain_offloads(server)  # a run's deferred offloads must not land in the next run
+                    drain_offloads(server)  # a run's deferred offloads must not land in the next run
         models = {}
         for model in MODELS:
             on, off_ = RunsSummary.of(runs[model]["on"]), RunsSummary.of(runs[model]["off"])
@@ -307,13 +258,13 @@ class Bench:
                 for side in (("device", "host") if r % 2 == 0 else ("host", "device")):
                     server = self.server if side == "device" else small
                     trace = self.fresh_trace(self.host_hit_base)
-                    lookups_before = _lookups(scrape(server.metrics_url), model)
+                    lookups_before = lookups_total(scrape(server.metrics_url), model)
                     first = self.replay(trace, server, model, c)  # caches every history (A), or offloads it (C)
                     # its lookups (misses) published before the timed pass reads its own
-                    _lookups_published(server, _owner(model), lookups_before + len(first.scores))
-                    _drain_offloads(server)
+                    lookups_published(server, lookup_owner(model), lookups_before + len(first.scores))
+                    drain_offloads(server)
                     runs[model][side].append(self.measured_replay(server, model, c, trace))
-                    _drain_offloads(server)
+                    drain_offloads(server)
         models = {}
         for model in MODELS:
             device, host = RunsSummary.of(runs[model]["device"]), RunsSummary.of(runs[model]["host"])
@@ -355,8 +306,9 @@ class Bench:
         stats_after = read_model_stats(server.http_url)
         if self.scores is not None:
             self.scores.check_replay(trace, result)
-        metrics_after = _lookups_published(server, _owner(model), _lookups(metrics_before, model) + len(result.scores))
-        lookups = kv_cache_stats(metrics_before, metrics_after, self.page_bytes)[_owner(model)].lookups
+        metrics_after = lookups_published(server, lookup_owner(model),
+                                          lookups_total(metrics_before, model) + len(result.scores))
+        lookups = kv_cache_stats(metrics_before, metrics_after, self.page_bytes)[lookup_owner(model)].lookups
         return MeasuredRun.of(result, hop_stats(stats_before, stats_after), lookups)
 
     def fresh_trace(self, trace: list[RankingRequest] | None = None) -> list[RankingRequest]:
@@ -373,8 +325,8 @@ class Bench:
         hops = hop_stats(stats_before, read_model_stats(self.server.http_url))
         if self.scores is not None:
             self.scores.check([request], [scores])
-        metrics_after = _lookups_published(self.server, _owner(model), _lookups(metrics_before, model) + 1)
-        lookups = kv_cache_stats(metrics_before, metrics_after, 0)[_owner(model)].lookups
+        metrics_after = lookups_published(self.server, lookup_owner(model), lookups_total(metrics_before, model) + 1)
+        lookups = kv_cache_stats(metrics_before, metrics_after, 0)[lookup_owner(model)].lookups
         hop = hops.get(COMPUTE if model == ENSEMBLE else MONOLITHIC)
         return TimedRequest(latency * 1e3, hop.ms_per_request["compute_infer"] if hop else float("nan"),
                             lookups.outcome)
@@ -411,9 +363,9 @@ class Bench:
 
     def _score_settled(self, client: RankingClient, model: str, request: RankingRequest) -> None:
         """Score one request and wait until its lookup is published, so the next scrape starts clean."""
-        before = _lookups(scrape(self.server.metrics_url), model)
+        before = lookups_total(scrape(self.server.metrics_url), model)
         client.score(request)
-        _lookups_published(self.server, _owner(model), before + 1)
+        lookups_published(self.server, lookup_owner(model), before + 1)
 
     def _trace(self, users: int, requests: int, **overrides) -> list[RankingRequest]:
         m = self.model
@@ -472,38 +424,3 @@ def _cache_case(samples: list[TimedRequest], kind: str) -> CacheCase:
                        len(samples) - len(good), len(samples), kind, [s.outcome for s in samples])
     return CacheCase(Spread.of([s.latency_ms for s in good]), Spread.of([s.compute_ms for s in good]),
                      outcome_mismatches=len(samples) - len(good), samples=samples)
-
-
-def _owner(model: str) -> str:
-    """The model whose hstu_kv_lookups_total counts `model`'s requests."""
-    return LOOKUP if model == ENSEMBLE else MONOLITHIC
-
-
-def _lookups(metrics: Metrics, model: str) -> float:
-    return metrics.value("hstu_kv_lookups_total", model=_owner(model))
-
-
-def _lookups_published(server: Server, owner: str, at_least: float) -> Metrics:
-    """A scrape in which `owner` has published at least `at_least` lookups in all. The models publish
-    their counters from a background thread every second (`deploy.runtime.triton_metrics`), so a
-    scrape right after a request may not count it yet."""
-    deadline = time.monotonic() + LOOKUPS_PUBLISHED_TIMEOUT_S
-    while True:
-        metrics = scrape(server.metrics_url)
-        total = metrics.value("hstu_kv_lookups_total", model=owner)
-        if total >= at_least:
-            return metrics
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{owner} on {server.metrics_url} published {total:.0f} lookups, expected at least "
-                               f"{at_least:.0f} after {LOOKUPS_PUBLISHED_TIMEOUT_S:g}s; is it publishing its metrics?")
-        time.sleep(0.1)
-
-
-def _drain_offloads(server: Server, timeout_s: float = 30.0) -> None:
-    """Wait until kv_offload has no put in flight (the gauge is refreshed as puts are reaped)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if offload_queue_depth(scrape(server.metrics_url)) == 0:
-            return
-        time.sleep(0.1)
-    logger.warning("kv_offload still has offloads in flight after %.0f s", timeout_s)

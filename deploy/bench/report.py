@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.bench.phases import MODELS, BenchConfig
+from deploy.bench.config import MODELS, BenchConfig
 from deploy.bench.results import PhaseResults
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC, OFFLOAD
 from deploy.server_stats import LOOKUP_OUTCOMES
