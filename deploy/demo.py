@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from compute import HSTUConfig, default_tolerance
+from compute.reference import BF16_TOLERANCE
 from deploy.launcher import LaunchConfig, Server, new_run_dir
 from deploy.metrics import Sample, scrape
 from deploy.replay import default_processes, replay
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                         "at most half the cores; see deploy.replay.default_processes)")
     add_serving_options(p, DEMO_OPTIONS, store="embedded")  # the main job shows the host tier
     p.add_argument("--tolerance", type=float,
-                   help="max abs diff vs the float32 reference (default: 1e-4 for a float32 model, 5e-2 for "
-                        "bfloat16/float16)")
+                   help=f"max abs diff vs the float32 reference (default: 1e-4 for a float32 model, {BF16_TOLERANCE:g} "
+                        "for bfloat16/float16)")
     p.add_argument("--json-out", type=Path, help="also write the results as JSON")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)

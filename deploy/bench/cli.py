@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterator
 
 from compute import default_tolerance
+from compute.reference import BF16_TOLERANCE
 from deploy.bench.config import PHASES, BenchConfig, ServedModel
 from deploy.bench.phases import Bench
 from deploy.bench.plots import plot_all
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serving_options(p, BENCH_OPTIONS, store="embedded")
     p.add_argument("--tolerance", type=float,
                    help="max abs diff of a served score from the float32 reference (default: 1e-4 for a float32 "
-                        "model, 5e-2 for bfloat16/float16)")
+                        f"model, {BF16_TOLERANCE:g} for bfloat16/float16)")
     p.add_argument("--no-score-check", action="store_true",
                    help="do not check the timed requests' scores against the reference scorer")
     p.add_argument("--out-dir", type=Path, default=REPORTS)
