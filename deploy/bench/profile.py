@@ -28,7 +28,8 @@ from pathlib import Path
 
 from deploy import trace as trace_module
 from deploy.bench.perf_analyzer import run_perf_analyzer
-from deploy.launcher import LaunchConfig, Server, free_loopback_ports, new_run_dir
+from deploy.launcher import LaunchConfig, Server, new_run_dir
+from deploy.processes import free_loopback_ports
 from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.server_stats import hop_stats, read_model_stats
 from deploy.serving_options import add_serving_options, serving_settings
