@@ -2,9 +2,12 @@
 # One GPU session on the air-gapped H200 host, from a checkout that carries .bundle/
 # (deploy/offline_bundle.sh). Installs the bundle beside the host's torch/numpy, then runs the
 # stages asked for (default: pytest compute serve), each writing its results to ${OUT:-deploy/reports}:
-#   pytest   every CUDA-marked test (pytest -m cuda tests/: build, scores vs the reference, call
+#   pytest   every CUDA-marked test (pytest -m cuda over the test files that mark any: build, scores vs the reference, call
 #            cost independent of the pool, only the new tokens' rows written, the store on CUDA
 #            pools; the FlexKV ones skip unless FlexKV is built: the flexkv stage builds it)
+#   stress   tests.reliability.stress on the GPU ($STRESS_SECONDS, default 240; 48 unary streams over the
+#            soak's small pool: host hits, evictions, offloads; every 50th answer checked; exit 1 on a
+#            failed request, a wrong score or a crash)
 #   compute  the compute benchmark of each GPU config (deploy/bench/compute.py)
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
@@ -31,18 +34,18 @@
 #            host-hit-heavy trace at c=8; p99 with offload on/off at c=8. The cache phase's host hit
 #            is the other model's offload, which FlexKV's per-pool tier never has: nan there)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
+#   deploy/gpu_run.sh [pytest] [stress] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
+    pytest|stress|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
     serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL_ARGS=(--tolerance "$2"); shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, stress, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -63,8 +66,14 @@ status=0
 
 for stage in "${STAGES[@]}"; do
   if [ "$stage" = pytest ]; then
-    python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests/ 2>&1 \
+    # Only the files that mark tests cuda are collected: the others import clients this host's
+    # bundle lacks (tritonclient.http needs gevent).
+    python3 -m pytest -q -rs -m cuda -p no:cacheprovider $(grep -rl "pytest.mark.cuda" tests --include="test_*.py") 2>&1 \
       | tee "$OUT/gpu-pytest-cuda.log" || status=1
+  fi
+  if [ "$stage" = stress ]; then
+    python3 -m tests.reliability.stress --device cuda --seconds "${STRESS_SECONDS:-240}" --concurrency 48 --check-every 50 \
+      2>&1 | grep -v " INFO " | tee "$OUT/gpu-stress.log" || status=1
   fi
   if [ "$stage" = compute ]; then
     for name in $CONFIGS; do
