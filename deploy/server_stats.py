@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from deploy.metrics import Metrics
-from kvlifecycle.manager import LOOKUP_OUTCOMES
+from kvlifecycle.stats_keys import LOOKUP_OUTCOMES
 from deploy.runtime.schema import LOOKUP, MONOLITHIC, OFFLOAD
 
 TRITON_STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # per request, as Triton counts them

@@ -53,26 +53,18 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from kvlifecycle.page_table import Committed, OffloadItem, PageTable, PoolExhausted
+from kvlifecycle.stats_keys import LEASE_COUNTERS, PAGE_GAUGES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COUNTERS", "QUARANTINE_USER", "Lease", "LeaseTable", "ReserveAsk"]
+__all__ = ["QUARANTINE_USER", "Lease", "LeaseTable", "ReserveAsk"]
 
-COUNTERS = (  # always present in stats(), so dashboards see zeros
-    "lookups_device_hit", "lookups_host_hit", "lookups_miss", "cached_tokens_served",
-    "allocations", "pool_exhausted", "evictions", "commits", "committed_pages",
-    "duplicate_pages", "commit_unknown_lease", "aborts", "leases_expired", "onboarded_pages",
-    "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
-    "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
-    "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits",
-)
 QUARANTINE_USER = -1  # user of a lease holding pages a timed-out store get may still write
 LEASE_TTL_S = 30.0  # a lease not committed or aborted by then returns its pages (> the slowest compute)
 OFFLOAD_TTL_S = 120.0  # likewise for a page pinned for offload whose put was never reaped
@@ -182,7 +174,9 @@ class LeaseTable:
         self._writing: dict[bytes, int] = {}  # key of a page a request lease writes or onboards -> lease id
         self._lease_ids = itertools.count(1)
         self._quarantine_ids = itertools.count(-1, -1)  # negative: never a caller's lease id
-        self.counters: Counter = Counter({name: 0 for name in COUNTERS})
+        # A plain dict, not a Counter: a key missing from LEASE_COUNTERS raises instead of
+        # becoming a stat nobody publishes.
+        self.counters: dict[str, float] = dict.fromkeys(LEASE_COUNTERS, 0)
 
     # -- public API, in the order a request calls it --------------------------------------
 
@@ -388,6 +382,9 @@ class LeaseTable:
         owned by at most one lease (quarantine leases included), refs = the leases' device
         prefixes + offload pins, the LRU holds exactly the committed pages with refs 0, and no
         page is lost."""
+        keys = set(self.stats())
+        assert keys == set(PAGE_GAUGES) | set(LEASE_COUNTERS), (
+            f"stats() keys differ from kvlifecycle.stats_keys: {sorted(keys ^ (set(PAGE_GAUGES) | set(LEASE_COUNTERS)))}")
         with self._lock:
             owners: dict[int, int] = {}
             read_refs = [0] * self.num_pages

@@ -70,6 +70,7 @@ from kvlifecycle.leases import LEASE_TTL_S, OFFLOAD_TTL_S, Lease, LeaseTable, Re
 from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
 from kvlifecycle.rpc import TIMEOUTS
+from kvlifecycle.stats_keys import DEVICE_HIT, HOST_HIT, MISS, lookups_key
 from kvlifecycle.store.api import Status, held_pages
 
 if TYPE_CHECKING:
@@ -87,10 +88,6 @@ __all__ = [
     "PoolExhausted",
 ]
 
-DEVICE_HIT = "device_hit"
-HOST_HIT = "host_hit"
-MISS = "miss"
-LOOKUP_OUTCOMES = (DEVICE_HIT, HOST_HIT, MISS)  # counted in stats() as lookups_<outcome>
 
 # The fewest full pages beyond the device prefix worth asking the host store about (at lookup, or
 # at the onboard's launch with ask_store=False). Asking is a round trip to the store process (about
@@ -223,7 +220,7 @@ class KVCacheManager:
                 host_unasked=unasked,
             ))
         for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
-            self.leases.count(f"lookups_{outcome}", n)
+            self.leases.count(lookups_key(outcome), n)
         return results
 
     def allocate(self, user_id: int, token_ids: TokenIds, hit: LookupResult | None = None,
@@ -259,7 +256,7 @@ class KVCacheManager:
             # An unasked lookup whose lease has no candidates left to onboard ends here.
             if hit.host_unasked and not (isinstance(lease, Lease) and lease.host_unasked):
                 device = lease.num_device_pages if isinstance(lease, Lease) else hit.device_tokens // self.page_size
-                self.leases.count(f"lookups_{DEVICE_HIT if device else MISS}")
+                self.leases.count(lookups_key(DEVICE_HIT if device else MISS))
         return leases
 
     def onboard(self, lease: Lease, timeout_s: float | None = None) -> Lease:
@@ -304,7 +301,7 @@ class KVCacheManager:
         copied = max(0, min(held, stop) - start)
         self.leases.onboard_launched(lease_id, task, copied)
         if lease.host_unasked:
-            self.leases.count(f"lookups_{HOST_HIT if copied else DEVICE_HIT if start else MISS}")
+            self.leases.count(lookups_key(HOST_HIT if copied else DEVICE_HIT if start else MISS))
         return task
 
     def onboard_wait(self, lease_id: int, task: int | None,

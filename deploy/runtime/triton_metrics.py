@@ -10,7 +10,8 @@ Several instances of one model (`make_configs --offload-instances`) share each c
 hands every instance the same metric, and each adds its own deltas); a gauge is each instance's
 own value, so gauges also carry `instance` and a reader sums them (`deploy.metrics`).
 
-Series (stats key -> metric{labels}):
+Series (stats key -> metric{labels}; the keys are named in `kvlifecycle.stats_keys`, and the
+owners publish `OWNER_PUBLISHED`, kv_offload `OFFLOAD_PUBLISHED`):
   lookups_device_hit / lookups_host_hit / lookups_miss -> hstu_kv_lookups_total{outcome}
   cached_tokens_served -> hstu_kv_cached_tokens_total      tokens served from the cache
   onboarded_pages      -> hstu_kv_onboarded_pages_total    host -> device
@@ -38,13 +39,13 @@ from typing import Callable, Iterator
 
 import triton_python_backend_utils as pb_utils
 
-from kvlifecycle.manager import LOOKUP_OUTCOMES
+from kvlifecycle.stats_keys import LOOKUP_OUTCOMES, OFFLOAD_PUBLISHED, OWNER_PUBLISHED, lookups_key
 
 logger = logging.getLogger(__name__)
 
 # stats key -> (metric name, kind, description, extra labels)
 _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
-    **{f"lookups_{outcome}": ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": outcome})
+    **{lookups_key(outcome): ("hstu_kv_lookups_total", "counter", "KV lookups by outcome", {"outcome": outcome})
        for outcome in LOOKUP_OUTCOMES},
     "cached_tokens_served": ("hstu_kv_cached_tokens_total", "counter", "History tokens served from the KV cache", {}),
     "onboarded_pages": ("hstu_kv_onboarded_pages_total", "counter", "Pages copied host store -> device pool", {}),
@@ -78,16 +79,15 @@ for _stage in STAGES:
     _SERIES[f"stage_{_stage}_count"] = ("hstu_kv_stage_seconds_count", "counter",
                                         "Requests that went through a KV lifecycle stage", {"stage": _stage})
 
-# What each kind of model publishes.
 def stage_keys(*stages: str) -> list[str]:
+    """The stats keys of ``StageTimer`` for ``stages``."""
     return [f"stage_{s}_{part}" for s in stages for part in ("s_sum", "count")]
 
 
-OWNER_KEYS = [*(f"lookups_{outcome}" for outcome in LOOKUP_OUTCOMES), "cached_tokens_served", "onboarded_pages",
-              "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors",
-              "uncommitted_prefix_lookups", "pool_waits", "pool_exhausted"]
-OFFLOAD_KEYS = ["offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps",
-                "store_errors"]
+# Every key a model publishes (kvlifecycle.stats_keys) has its series: checked at import.
+_unmapped = [k for k in (*OWNER_PUBLISHED, *OFFLOAD_PUBLISHED) if k not in _SERIES]
+assert not _unmapped, f"triton_metrics: published stats keys without a series: {_unmapped}"
+
 METRICS_INTERVAL_S = 1.0
 
 

@@ -23,7 +23,7 @@ from deploy.replay import replay
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD
 from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
-from kvlifecycle.manager import LOOKUP_OUTCOMES
+from kvlifecycle.stats_keys import LOOKUP_OUTCOMES
 from tests.conftest import rendered_repository, start_server
 from tests.helpers import ModelStats, assert_scores_match, metric, wait_for
 

@@ -78,6 +78,9 @@ class FakeStore:
     def cancel(self, task_ids):
         self.cancelled.extend(task_ids)
 
+    def stats(self):
+        return {"errors": 0}
+
     def finish(self, task: int, status: str = "CANCELLED") -> None:
         """Let a task that was stuck end (test control)."""
         self.tasks[task] = status

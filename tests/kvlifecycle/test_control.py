@@ -194,6 +194,7 @@ def test_offload_worker_commits_a_batch_in_one_round_trip_then_offloads_off_the_
     request then finds the pages with no wait), and hands the pages to put to the worker thread,
     which puts and reaps them while the caller goes on."""
     from kvlifecycle.offload_worker import OffloadWorker
+    from kvlifecycle.stats_keys import OFFLOAD_STATS
     store = FakeStore(pool.tensor, SPEC.page_size)
     with kv_owner(SPEC, store=store) as owner:
         mgr = owner.manager
@@ -215,6 +216,7 @@ def test_offload_worker_commits_a_batch_in_one_round_trip_then_offloads_off_the_
             worker.submit([(c.namespace, histories[user], c.items) for user, c in zip((1, 2, 3), committed)])
             release.set()
             assert worker.stop(flush_timeout_s=5.0) == 0
+            assert set(worker.stats()) == set(OFFLOAD_STATS)  # the names triton_metrics publishes
         assert mgr.stats()["commits"] == 3
         assert mgr.stats()["pages_offload_pending"] == 0  # every put reaped and reported
         assert len(store.pages) == 6  # two full pages per history reached the host store

@@ -13,7 +13,8 @@ from compute import HSTUConfig, PagedBatch, fingerprint, history_tokens, load_co
 from deploy.runtime.cache_owner import open_kv_cache
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import BadRequest, error_response, output_tensor, read_ranking_request
-from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics
+from deploy.runtime.triton_metrics import KVMetrics
+from kvlifecycle.stats_keys import OWNER_PUBLISHED
 from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
 
@@ -29,7 +30,7 @@ class TritonPythonModel:
         manager = self.cache.manager
         self.offloader = (Offloader(self.cache.store, manager.page_size, manager.offload_done)
                           if self.cache.store is not None else None)
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OWNER_KEYS, source=self.cache.stats)
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], list(OWNER_PUBLISHED), source=self.cache.stats)
 
     def execute(self, requests):
         return [self._one(request) for request in requests]

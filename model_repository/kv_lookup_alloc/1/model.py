@@ -38,7 +38,8 @@ from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import (BadRequest, RankingInputs, Reply, error_response, output_tensor,
                                      read_ranking_batch)
-from deploy.runtime.triton_metrics import OWNER_KEYS, KVMetrics, StageTimer, stage_keys
+from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
+from kvlifecycle.stats_keys import OWNER_PUBLISHED
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle import ops
@@ -68,7 +69,7 @@ class TritonPythonModel:
         ops.warm_up(self.ops_handle)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 OWNER_KEYS + stage_keys("lookup", "allocate", "onboard_launch"),
+                                 [*OWNER_PUBLISHED, *stage_keys("lookup", "allocate", "onboard_launch")],
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)

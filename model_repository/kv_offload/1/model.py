@@ -26,7 +26,8 @@ from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import error_response, input_tensors, input_view, output_tensor
-from deploy.runtime.triton_metrics import OFFLOAD_KEYS, KVMetrics, StageTimer, stage_keys
+from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
+from kvlifecycle.stats_keys import OFFLOAD_PUBLISHED
 from kvlifecycle import ops
 from kvlifecycle.offload_worker import OffloadWorker
 from kvlifecycle.control import ControlClient
@@ -56,7 +57,7 @@ class TritonPythonModel:
         self.ops = torch.ops.kvlifecycle
         self.ops_handle = ops.register(self.control, self.worker)  # offload_launch: commit, then put on the worker
         ops.warm_up(self.ops_handle)
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], OFFLOAD_KEYS + stage_keys("commit"),
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], [*OFFLOAD_PUBLISHED, *stage_keys("commit")],
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
     def execute(self, requests):
