@@ -45,7 +45,7 @@ Promises:
   a recompute; both are counted in ``stats()`` and logged, never raised.
 
 Host store: any object with the ``kvlifecycle.store.HostStoreClient`` methods used here
-(``get_match``, ``get_prefix_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
+(``get_prefix_async``, ``put_async``, ``wait``, ``try_wait``, ``cancel``), or None
 (device cache only, nothing offloaded).
 
 Lookup takes the request's page chain from ``PrefixKeys`` (which hashes only the pages a user's
@@ -71,7 +71,7 @@ from kvlifecycle.page_table import Committed, OffloadItem, PoolExhausted
 from kvlifecycle.pool import PoolSpec, slots_for_pages
 from kvlifecycle.rpc import TIMEOUTS
 from kvlifecycle.stats_keys import DEVICE_HIT, HOST_HIT, MISS, lookups_key
-from kvlifecycle.store.api import Status, held_pages
+from kvlifecycle.store.api import Status
 
 if TYPE_CHECKING:
     from kvlifecycle.store.api import HostStoreClient
@@ -89,8 +89,8 @@ __all__ = [
 ]
 
 
-# The fewest full pages beyond the device prefix worth asking the host store about (at lookup, or
-# at the onboard's launch with ask_store=False). Asking is a round trip to the store process (about
+# The fewest full pages beyond the device prefix worth asking the host store about (at the
+# onboard's launch). Asking is a round trip to the store process (about
 # 0.6 ms on the H200 host); recomputing one page of a device hit (a user's next request, whose last
 # page was not full before) costs far less on any device.
 MIN_HOST_PAGES = 2
@@ -111,8 +111,7 @@ class LookupResult:
     device_tokens: int
     host_tokens: int
     device_pages: tuple[int, ...]
-    store_error: bool = False
-    host_unasked: bool = False  # host_tokens are candidates: lookup_many(ask_store=False)
+    host_unasked: bool = False  # host_tokens are candidates the store was not asked about yet
 
     @property
     def num_tokens(self) -> int:
@@ -170,11 +169,10 @@ class KVCacheManager:
 
     # -- public API ---------------------------------------------------------------------
 
-    def lookup(self, user_id: int, token_ids: TokenIds, ask_store: bool = True) -> LookupResult:
-        """The cached prefix of ``token_ids``: device pages first, then the host store for
-        the following full pages (``ask_store``: see ``lookup_many``). Never raises for the
-        store (errors count as a miss)."""
-        return self.lookup_many([(user_id, token_ids)], ask_store)[0]
+    def lookup(self, user_id: int, token_ids: TokenIds) -> LookupResult:
+        """The cached prefix of ``token_ids``: device pages, then the host store's candidates
+        (see ``lookup_many``)."""
+        return self.lookup_many([(user_id, token_ids)])[0]
 
     def use_namespace(self, namespace: str) -> None:
         """Look up and make leases in ``namespace`` from now on (a new model version serves).
@@ -184,15 +182,14 @@ class KVCacheManager:
             raise ValueError("KVCacheManager.use_namespace: expected a non-empty model fingerprint, got ''")
         self.namespace = namespace
 
-    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]], ask_store: bool = True) -> list[LookupResult]:
-        """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match;
-        the host store is asked (one ``get_match`` each: its API matches one sequence) only for
-        requests with at least ``min_host_pages`` full pages beyond their device prefix.
+    def lookup_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[LookupResult]:
+        """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match.
 
-        ``ask_store=False`` (the serving path) asks the store nothing here: those full pages are
-        candidates (``host_unasked``), ``allocate_many`` reserves them as onboard pages, and the
-        onboard's launch asks the store to copy the ones it holds, in one round trip instead of
-        a match here and a get there. Such a lookup's outcome is counted then.
+        The host store is not asked here. When at least ``min_host_pages`` full pages follow the
+        device prefix (and there is a store), those pages are candidates (``host_unasked``):
+        ``allocate_many`` reserves them as onboard pages and the onboard's launch asks the store
+        to copy the ones it holds, in one round trip instead of a match here and a get there.
+        Such a lookup's outcome is counted then; the others' are counted here.
 
         Never waits: pages another request is still writing are not found (see
         ``kvlifecycle.leases``, "Uncommitted prefixes")."""
@@ -201,13 +198,8 @@ class KVCacheManager:
         devices = self.leases.match_prefixes(chains)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
-            host_pages, store_error = 0, False
-            worth_asking = self.store is not None and len(keys) - len(device) >= self.min_host_pages
-            unasked = worth_asking and not ask_store
-            if unasked:
-                host_pages = len(keys)
-            elif worth_asking:
-                host_pages, store_error = self._host_match(request_tokens[: len(keys) * self.page_size])
+            unasked = self.store is not None and len(keys) - len(device) >= self.min_host_pages
+            host_pages = len(keys) if unasked else 0
             results.append(LookupResult(
                 user_id=int(user_id),
                 namespace=self.namespace,
@@ -216,7 +208,6 @@ class KVCacheManager:
                 device_tokens=len(device) * self.page_size,
                 host_tokens=max(0, host_pages - len(device)) * self.page_size,
                 device_pages=tuple(device),
-                store_error=store_error,
                 host_unasked=unasked,
             ))
         for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
@@ -440,26 +431,6 @@ class KVCacheManager:
         self.leases.check_invariants()
 
     # -- helpers ------------------------------------------------------------------------
-
-    def _host_match(self, tokens: np.ndarray) -> tuple[int, bool]:
-        """Whole pages from position 0 the host store holds, and whether the store failed."""
-        try:
-            task, mask = self.store.get_match(tokens, self.namespace)
-            mask = np.asarray(mask, dtype=bool)
-            # The onboard submits its own get (after allocation fixes the pages); release the match's
-            # prepared task, which the client otherwise keeps with the request's token ids.
-            self.store.cancel([task])
-            self.store.try_wait([task])
-        except Exception:
-            logger.warning("host store get_match failed; treating as a miss", exc_info=True)
-            self.leases.count("store_errors")
-            return 0, True
-        if mask.shape != tokens.shape:
-            logger.warning("host store get_match: expected a mask of shape %s, got %s; miss",
-                           tokens.shape, mask.shape)
-            self.leases.count("store_errors")
-            return 0, True
-        return held_pages(mask, self.page_size), False
 
     def _wait(self, tasks: list[int], timeout_s: float) -> dict[int, Status]:
         """Each task's status, from one store ``wait``; TIMEOUT for every task when the wait

@@ -126,7 +126,7 @@ def _split_arrays(tokens: torch.Tensor, offsets: torch.Tensor) -> list[np.ndarra
 @torch.library.custom_op("kvlifecycle::lookup", mutates_args=())
 def lookup(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     mgr = registered(handle).manager
-    hits = mgr.lookup_many(list(zip(user_ids.tolist(), _split_arrays(tokens, offsets))), ask_store=False)
+    hits = mgr.lookup_many(list(zip(user_ids.tolist(), _split_arrays(tokens, offsets))))
     return torch.tensor([[hit.device_tokens, hit.host_tokens] for hit in hits], dtype=torch.int64).reshape(-1, 2)
 
 

@@ -121,7 +121,7 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
         mgr.abort(first.lease_id)
         other = mgr.allocate(2, list(range(100, 104)))
         store.get_status = "UNREADY"
-        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens, ask_store=False))])
+        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
         assert lease.onboarding and lease.cached_len == 8
         # the control plane's thread asks the store; the copy stays in flight
         task = wait_for(lambda: next((t for t, status in list(store.tasks.items()) if status == "UNREADY"), None),
@@ -169,7 +169,7 @@ def test_wake_has_the_idle_thread_ask_the_store_at_once():
     store.get_async = lambda *args: asked.append(threading.current_thread().name) or get_async(*args)
     with ControlServer(mgr, default_endpoint("control.sock"), expire_interval_s=3600.0) as server:
         assert idle.wait(10), "the control thread never looked for onboards"
-        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens, ask_store=False))])
+        [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
         assert lease.onboarding and not asked, "the start asks the store nothing"
         time.sleep(0.2)
         assert not asked and mgr.onboard_result(lease.lease_id) is None, "the idle thread acted unwoken"
@@ -199,7 +199,7 @@ def test_offload_worker_commits_a_batch_in_one_round_trip_then_offloads_off_the_
     with kv_owner(SPEC, store=store) as owner:
         mgr = owner.manager
         histories = {user: list(range(100 * user, 100 * user + 8)) for user in (1, 2, 3)}
-        leases = {user: mgr.allocate(user, h, mgr.lookup(user, h)) for user, h in histories.items()}
+        leases = {user: mgr.onboard(mgr.allocate(user, h, mgr.lookup(user, h))) for user, h in histories.items()}
         commits: list[int] = []
         release = threading.Event()
 

@@ -171,8 +171,8 @@ def test_changed_namespace_never_hits(tiny_spec, pool, store):
     _, items = serve(a, 1, tokens)
     Offloader(store, S, a.offload_done).launch("weights-a", tokens, items)
     assert a.lookup(1, tokens).cached_tokens == 12 and store.pages
-    hit = b.lookup(1, tokens)
-    assert (hit.outcome, hit.cached_tokens) == ("miss", 0)
+    lease = b.onboard(b.allocate(1, tokens, b.lookup(1, tokens)))  # the onboard asks the store
+    assert lease.cached_len == 0 and b.stats()["lookups_miss"] == 1
 
 
 def test_offload_pins_until_done_and_only_new_pages(smgr, store):
@@ -257,7 +257,7 @@ def test_unasked_lookup_onboards_the_candidates_the_store_holds_in_one_call(smgr
     fill_host(smgr, store, list(range(8)))  # pages 0-1 on the host only
     history = list(range(8)) + list(range(100, 110))  # 4 full pages and 2 tokens
     before = smgr.stats()
-    hit = smgr.lookup(1, history, ask_store=False)
+    hit = smgr.lookup(1, history)
     assert hit.host_unasked and (hit.device_tokens, hit.host_tokens) == (0, 16)
     lease = smgr.onboard(smgr.allocate(1, history, hit))
     assert (lease.cached_len, len(lease.onboard_pages), len(lease.new_full_pages)) == (8, 2, 2)
@@ -280,7 +280,7 @@ def test_unasked_lookup_the_store_cannot_serve_recomputes_and_counts_no_failure(
     if case == "store down":
         store.raise_on.add("get_match")
     before = smgr.stats()
-    lease = smgr.onboard(smgr.allocate(1, history, smgr.lookup(1, history, ask_store=False)))
+    lease = smgr.onboard(smgr.allocate(1, history, smgr.lookup(1, history)))
     assert (lease.cached_len, lease.new_tokens) == (device_pages * S, 16 - device_pages * S), case
     assert counted(smgr, before) == outcome, case
     assert len(smgr.commit(lease.lease_id)) == 4 - device_pages, "the recomputed pages are offloaded"
@@ -289,7 +289,7 @@ def test_unasked_lookup_the_store_cannot_serve_recomputes_and_counts_no_failure(
 
 def test_unasked_lookup_refused_by_a_full_pool_is_counted_once(smgr, store):
     before = smgr.stats()
-    [refused] = smgr.allocate_many([smgr.lookup(1, list(range(4 * 64)), ask_store=False)])
+    [refused] = smgr.allocate_many([smgr.lookup(1, list(range(4 * 64)))])
     assert isinstance(refused, PoolExhausted)
     assert counted(smgr, before) == {"lookups_miss": 1}
 
@@ -419,7 +419,7 @@ def test_lookup_hashes_only_the_pages_a_history_added_and_allocate_reuses_them(m
 
 
 def test_commit_many_returns_each_leases_namespace_and_pages(smgr):
-    a = smgr.allocate(1, list(range(8)), smgr.lookup(1, list(range(8))))
+    a = smgr.onboard(smgr.allocate(1, list(range(8)), smgr.lookup(1, list(range(8)))))
     b = smgr.allocate(2, list(range(100, 103)), smgr.lookup(2, list(range(100, 103))))  # no full page
 
     done = smgr.commit_many([a.lease_id, 999, b.lease_id])
@@ -434,7 +434,7 @@ def started_host_hit(smgr, store, tokens):
     store's get is UNREADY)."""
     fill_host(smgr, store, tokens)
     store.get_status = "UNREADY"
-    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens, ask_store=False))])
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
     assert not any(status == "UNREADY" for status in store.tasks.values()), "start must not ask the store"
     assert smgr.poll_onboards() == []  # asks the store; the copy stays in flight
     store.get_status = None
@@ -491,7 +491,7 @@ def test_a_start_the_store_cannot_serve_is_settled_by_the_first_poll_as_pages_to
         fill_host(smgr, store, tokens)
     if case == "store refuses":
         store.raise_on.add("get_async")
-    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens, ask_store=False))])
+    [lease] = smgr.onboard_start_many([smgr.allocate(1, tokens, smgr.lookup(1, tokens))])
     assert lease.onboarding and lease.cached_len == 8 and smgr.onboards_in_flight() == 1
     if case == "first poll after the deadline":
         clock.now += smgr.onboard_wait_s + 0.1

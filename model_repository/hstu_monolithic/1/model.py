@@ -42,7 +42,7 @@ class TritonPythonModel:
             r = read_ranking_request(request, self.config)
             tokens = history_tokens(r.item_ids, r.action_ids, self.config)
             manager.expire_leases()
-            hit = manager.lookup(r.user_id, tokens, ask_store=False)  # the onboard asks, in one round trip
+            hit = manager.lookup(r.user_id, tokens)  # the onboard asks the store, in one round trip
             lease = manager.allocate(r.user_id, tokens, hit)
             lease_id = lease.lease_id
             lease = manager.onboard(lease)
