@@ -80,7 +80,7 @@ class ReserveAsk:
     tokens: np.ndarray  # int64 [num_tokens]
     host_pages: int
     ttl_s: float
-    host_unasked: bool = False  # host_pages are candidates: the lookup did not ask the store
+    host_unconfirmed: bool = False  # host_pages are candidates the store has not confirmed yet
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +111,7 @@ class Lease:
     store_task: object = None  # the store get writing the onboard pages (or, quarantined, that may)
     # The onboard pages are candidates the lookup did not ask the host store about: the onboard's
     # launch asks (one round trip), keeps those it holds and counts the lookup's outcome.
-    host_unasked: bool = False
+    host_unconfirmed: bool = False
 
     @property
     def cached_len(self) -> int:
@@ -450,7 +450,7 @@ class LeaseTable:
             num_onboard_pages=h,
             onboarded=h == 0,
             expires_at=self.clock() + ask.ttl_s,
-            host_unasked=ask.host_unasked and h > 0,
+            host_unconfirmed=ask.host_unconfirmed and h > 0,
         )
         self._leases[lease_id] = lease
         for key in lease.keys[d:]:

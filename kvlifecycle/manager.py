@@ -111,7 +111,7 @@ class LookupResult:
     device_tokens: int
     host_tokens: int
     device_pages: tuple[int, ...]
-    host_unasked: bool = False  # host_tokens are candidates the store was not asked about yet
+    host_unconfirmed: bool = False  # host_tokens are candidates the store was not asked about yet
 
     @property
     def num_tokens(self) -> int:
@@ -186,7 +186,7 @@ class KVCacheManager:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match.
 
         The host store is not asked here. When at least ``min_host_pages`` full pages follow the
-        device prefix (and there is a store), those pages are candidates (``host_unasked``):
+        device prefix (and there is a store), those pages are candidates (``host_unconfirmed``):
         ``allocate_many`` reserves them as onboard pages and the onboard's launch asks the store
         to copy the ones it holds, in one round trip instead of a match here and a get there.
         Such a lookup's outcome is counted then; the others' are counted here.
@@ -198,8 +198,8 @@ class KVCacheManager:
         devices = self.leases.match_prefixes(chains)
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
-            unasked = self.store is not None and len(keys) - len(device) >= self.min_host_pages
-            host_pages = len(keys) if unasked else 0
+            candidates = self.store is not None and len(keys) - len(device) >= self.min_host_pages
+            host_pages = len(keys) if candidates else 0
             results.append(LookupResult(
                 user_id=int(user_id),
                 namespace=self.namespace,
@@ -208,9 +208,9 @@ class KVCacheManager:
                 device_tokens=len(device) * self.page_size,
                 host_tokens=max(0, host_pages - len(device)) * self.page_size,
                 device_pages=tuple(device),
-                host_unasked=unasked,
+                host_unconfirmed=candidates,
             ))
-        for outcome, n in Counter(r.outcome for r in results if not r.host_unasked).items():
+        for outcome, n in Counter(r.outcome for r in results if not r.host_unconfirmed).items():
             self.leases.count(lookups_key(outcome), n)
         return results
 
@@ -222,7 +222,7 @@ class KVCacheManager:
         same request's); without one (no lookup made) the keys are computed here. Raises
         ``PoolExhausted`` without changing anything."""
         if hit is None:
-            hit = self._unlooked(int(user_id), tokens_as_int64(token_ids))
+            hit = self._nothing_cached(int(user_id), tokens_as_int64(token_ids))
         elif hit.user_id != int(user_id) or hit.num_tokens != len(token_ids):
             raise ValueError(
                 f"allocate: hit is for user {hit.user_id} with {hit.num_tokens} tokens, got "
@@ -240,12 +240,13 @@ class KVCacheManager:
         ttl = self.lease_ttl_s if ttl_s is None else ttl_s
         leases = self.leases.reserve_many([
             ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
-                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl, host_unasked=hit.host_unasked)
+                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl,
+                       host_unconfirmed=hit.host_unconfirmed)
             for hit in hits
         ], wait_s=self.pool_wait_s)
         for hit, lease in zip(hits, leases):
-            # An unasked lookup whose lease has no candidates left to onboard ends here.
-            if hit.host_unasked and not (isinstance(lease, Lease) and lease.host_unasked):
+            # A lookup with unconfirmed host pages whose lease has none left to onboard ends here.
+            if hit.host_unconfirmed and not (isinstance(lease, Lease) and lease.host_unconfirmed):
                 device = lease.num_device_pages if isinstance(lease, Lease) else hit.device_tokens // self.page_size
                 self.leases.count(lookups_key(DEVICE_HIT if device else MISS))
         return leases
@@ -270,7 +271,7 @@ class KVCacheManager:
 
     def _ask_store(self, lease: Lease) -> int | None:
         """``onboard_launch`` after ``begin_onboard``: one ``get_prefix_async``; the lease keeps
-        the onboard pages the store copies; an unasked lookup's outcome is counted."""
+        the onboard pages the store copies; a lookup with unconfirmed host pages is counted."""
         if self.store is None or lease.abort_requested:
             return None
         lease_id = lease.lease_id
@@ -291,7 +292,7 @@ class KVCacheManager:
             task, held = None, start
         copied = max(0, min(held, stop) - start)
         self.leases.onboard_launched(lease_id, task, copied)
-        if lease.host_unasked:
+        if lease.host_unconfirmed:
             self.leases.count(lookups_key(HOST_HIT if copied else DEVICE_HIT if start else MISS))
         return task
 
@@ -466,7 +467,7 @@ class KVCacheManager:
                 self.leases.count("store_errors" if status is Status.FAILED else "onboard_misses")
         return self._finish(lease_id, ok_pages, in_flight)
 
-    def _unlooked(self, user_id: int, tokens: np.ndarray) -> LookupResult:
+    def _nothing_cached(self, user_id: int, tokens: np.ndarray) -> LookupResult:
         """The LookupResult of a request allocated without a lookup: nothing cached claimed."""
         return LookupResult(user_id=user_id, namespace=self.namespace, tokens=tokens,
                             keys=tuple(page_keys(tokens, self.namespace, self.page_size)),

@@ -141,7 +141,7 @@ def allocate(handle: int, user_ids: torch.Tensor, tokens: torch.Tensor, offsets:
             user_id=user_id, namespace=mgr.namespace, tokens=array,
             keys=mgr.keys.keys(user_id, array, mgr.namespace),  # PrefixKeys: the lookup's keys, not hashed again
             device_tokens=device_tokens, host_tokens=host_tokens,
-            device_pages=(), host_unasked=host_tokens > 0))
+            device_pages=(), host_unconfirmed=host_tokens > 0))
     return _lease_tensors(mgr.allocate_many(results, ttl_s=ttl_s), copying_only=False)
 
 

@@ -251,14 +251,14 @@ def counted(m, before):
     return {k: now[k] - before[k] for k in LOOKUP_COUNTERS if now[k] != before[k]}
 
 
-def test_unasked_lookup_onboards_the_candidates_the_store_holds_in_one_call(smgr, store):
+def test_lookup_with_unconfirmed_host_pages_onboards_the_candidates_the_store_holds_in_one_call(smgr, store):
     """The serving path: lookup does not ask the store; the onboard's launch does (one call) and
     keeps the candidate pages the store holds, here 2 of the history's 4 full pages."""
     fill_host(smgr, store, list(range(8)))  # pages 0-1 on the host only
     history = list(range(8)) + list(range(100, 110))  # 4 full pages and 2 tokens
     before = smgr.stats()
     hit = smgr.lookup(1, history)
-    assert hit.host_unasked and (hit.device_tokens, hit.host_tokens) == (0, 16)
+    assert hit.host_unconfirmed and (hit.device_tokens, hit.host_tokens) == (0, 16)
     lease = smgr.onboard(smgr.allocate(1, history, hit))
     assert (lease.cached_len, len(lease.onboard_pages), len(lease.new_full_pages)) == (8, 2, 2)
     assert all(torch.all(store.pool[:, p] == 7.0) for p in lease.onboard_pages)
@@ -272,7 +272,7 @@ def test_unasked_lookup_onboards_the_candidates_the_store_holds_in_one_call(smgr
     ("device prefix only", 2, {"lookups_device_hit": 1}),
     ("store down", 0, {"lookups_miss": 1, "store_errors": 1}),
 ])
-def test_unasked_lookup_the_store_cannot_serve_recomputes_and_counts_no_failure(smgr, store, case, device_pages,
+def test_lookup_with_unconfirmed_host_pages_the_store_cannot_serve_recomputes_and_counts_no_failure(smgr, store, case, device_pages,
                                                                               outcome):
     history = list(range(16))
     if device_pages:
@@ -287,7 +287,7 @@ def test_unasked_lookup_the_store_cannot_serve_recomputes_and_counts_no_failure(
     smgr.check_invariants()
 
 
-def test_unasked_lookup_refused_by_a_full_pool_is_counted_once(smgr, store):
+def test_lookup_with_unconfirmed_host_pages_refused_by_a_full_pool_is_counted_once(smgr, store):
     before = smgr.stats()
     [refused] = smgr.allocate_many([smgr.lookup(1, list(range(4 * 64)))])
     assert isinstance(refused, PoolExhausted)
