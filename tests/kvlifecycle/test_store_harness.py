@@ -39,11 +39,11 @@ def tokens(num_pages: int, start: int = 1, extra: int = 0) -> np.ndarray:
 
 
 def fill_random(pool: PagePool, pages: list[int], seed: int) -> torch.Tensor:
-    """Write seeded random KV into ``pages``; returns a copy [L, n, 2, S, H, D]."""
+    """Write seeded random KV into ``pages``; returns a host copy [L, n, 2, S, H, D]."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn((SPEC.num_layers, len(pages), *SPEC.shape[2:]), generator=gen)
-    pool.tensor[:, pages] = values
-    return values.clone()
+    pool.tensor[:, pages] = values.to(pool.tensor.device)  # an indexed write takes values on the pool's device
+    return values
 
 
 def slots(pages: list[int]) -> np.ndarray:
