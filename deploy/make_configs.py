@@ -153,12 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
                    help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s)")
     p.add_argument("--offload-instances", type=int, default=1,
-                   help="kv_offload processes (default %(default)s): more where kv_offload is the busiest step "
-                        "(docs/benchmarks/2026-12-03-h200-served.md)")
+                   help="kv_offload processes (default %(default)s). More split its batches; with two of each "
+                        "stateless step the H100 served less at c=32 and c=128 "
+                        "(docs/benchmarks/2026-12-06-h100-head.md)")
     p.add_argument("--compute-instances", type=int, default=1,
-                   help="hstu_compute processes (default %(default)s), an experiment: one instance holds a whole "
-                        "batch while its host hits' copies finish, and instances on a CPU host share its cores "
-                        "(docs/benchmarks/2026-12-05-h200-plan-tensor-host-hits.md)")
+                   help="hstu_compute processes (default %(default)s). More split its batches, and instances on a "
+                        "CPU host share its cores (docs/benchmarks/2026-12-06-h100-head.md)")
     a = p.parse_args(argv)
     for name in ("offload_instances", "compute_instances"):
         if getattr(a, name) < 1:
