@@ -105,7 +105,7 @@ CASES = [
 @pytest.mark.parametrize("request_arrays,field,detail", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_request_gets_an_error_naming_the_field_and_changes_nothing(
         server: Server, request_arrays, field: str, detail: str) -> None:
-    before = owner_stats(server)
+    before = wait_drained(server)  # nothing an earlier test sent is still in flight
 
     scores, error = raw_request(server.grpc_url, request_arrays)
 
@@ -171,7 +171,7 @@ HTTP_CASES = [  # (case, body, the field the error must name)
 
 @pytest.mark.parametrize("body,field", [c[1:] for c in HTTP_CASES], ids=[c[0] for c in HTTP_CASES])
 def test_bad_http_generate_body_gets_400_naming_the_field(server: Server, body, field: str) -> None:
-    before = owner_stats(server)
+    before = wait_drained(server)  # nothing an earlier test sent is still in flight
     code, text = _post(f"http://{server.http_url}/v2/models/{ENSEMBLE}/generate", _json(body))
     assert code == 400 and field in text, f"HTTP {code}: {text[:300]}"
     assert owner_stats(server) == before
@@ -192,7 +192,7 @@ UNPARSABLE = [  # (case, body, the field the error must name, Triton's message)
 
 @pytest.mark.parametrize("body,message", [(c[1], c[3]) for c in UNPARSABLE], ids=[c[0] for c in UNPARSABLE])
 def test_unparsable_http_body_is_rejected_and_changes_nothing(server: Server, body: bytes, message: str) -> None:
-    before = owner_stats(server)
+    before = wait_drained(server)  # nothing an earlier test sent is still in flight
     code, text = _post(f"http://{server.http_url}/v2/models/{ENSEMBLE}/generate", body)
     assert code >= 400 and json.loads(text)["error"].startswith(message), f"HTTP {code}: {text[:300]}"
     assert owner_stats(server) == before
@@ -295,7 +295,7 @@ def malformed(draw) -> tuple[dict[str, np.ndarray], str]:
 @given(case=malformed())
 def test_fuzzed_malformed_requests_are_rejected_naming_the_field(server: Server, case) -> None:
     request_arrays, field = case
-    before = owner_stats(server)
+    before = wait_drained(server)  # nothing an earlier test sent is still in flight
     scores, error = raw_request(server.grpc_url, request_arrays)
     assert scores is None and field in error, f"expected an error naming {field!r}, got {error!r}"
     assert_page_table_unchanged(before, owner_stats(server))

@@ -218,8 +218,10 @@ def test_store_killed_mid_load_is_served_by_recompute_then_reconnected(fault_ser
     load = Load(fault_server.grpc_url, trace, concurrency=4, model=model)
     load.wait_done(12)
     fault_server.kill_store()
-    load.wait_done(30)  # served while the store is down
-    fault_server.start_store()
+    try:
+        load.wait_done(30)  # served while the store is down
+    finally:  # the module's server gets its store back even when this test fails here
+        fault_server.start_store()
     results = load.join()
 
     for i, outcome in sorted(results.items()):
