@@ -145,8 +145,9 @@ def test_scores_depend_on_the_history(scorer, config):
 
 def test_gpu_config_scores_notice_a_wrong_prefix_beyond_the_bf16_tolerance(tmp_path):
     """The float32 reference of the small GPU config, on the CPU: a cached prefix of 256 events
-    from another history moves the scores by several times the bf16 tolerance, so the GPU's
-    score checks can catch one (test_compute_cuda.py proves it through the served path)."""
+    from another history moves the scores by more than 4x the bf16 tolerance (served bf16 scores
+    stay within about a third of it), so the GPU's score checks catch one (test_compute_cuda.py
+    proves it through the served path). The tolerance of 5e-2 used before failed this."""
     HSTUConfig.load(GPU_SMALL_CONFIG).save(tmp_path)
     gpu_scorer = load_reference(tmp_path)
     config = gpu_scorer.config
@@ -155,7 +156,7 @@ def test_gpu_config_scores_notice_a_wrong_prefix_beyond_the_bf16_tolerance(tmp_p
     other = with_other_prefix(user, rng, config, 0)
     base = gpu_scorer.score(0, user.item_ids, user.action_ids, user.candidate_ids)
     moved = float(np.abs(gpu_scorer.score(0, other.item_ids, other.action_ids, other.candidate_ids) - base).max())
-    assert moved > 2 * default_tolerance(config), f"another history's prefix moved the scores by only {moved:.3g}"
+    assert moved > 4 * default_tolerance(config), f"another history's prefix moved the scores by only {moved:.3g}"
 
 
 @pytest.mark.parametrize("mutate, message", [
