@@ -18,6 +18,7 @@ from deploy.trace import TraceConfig, generate
 from tests.conftest import PORT_ATTEMPTS, REPO_ROOT, free_ports
 
 BIN = Path(sys.executable).parent
+FP32_TOLERANCE = 1e-4  # docs/ARCHITECTURE.md invariant 1: served fp32 scores vs the reference
 
 
 def run(cmd: list[str], timeout_s: float = 300.0) -> subprocess.CompletedProcess:
@@ -66,7 +67,9 @@ def test_demo_serves_checks_every_score_and_stops_cleanly(tmp_path: Path) -> Non
     assert [(r["model"], r["concurrency"]) for r in result["runs"]] == [(ENSEMBLE, 2), (MONOLITHIC, 2)]
     for r in result["runs"]:
         assert (r["ok"], r["errors"], r["failure"]) == (20, 0, None), r
-        assert 0 <= r["max_abs_diff"] <= result["tolerance"] and r["throughput"] > 0, r
+        # invariant 1 (fp32 on the CPU), not the tolerance the tool reports for itself
+        assert 0 <= r["max_abs_diff"] <= FP32_TOLERANCE and r["throughput"] > 0, r
+    assert result["tolerance"] == FP32_TOLERANCE, "the demo checks the default float32 model at invariant 1's bound"
     lookups = [s for s in result["metrics"] if s["name"] == "hstu_kv_lookups_total" and s["labels"]["model"] == LOOKUP]
     assert sorted(s["labels"]["outcome"] for s in lookups) == ["device_hit", "host_hit", "miss"], result["metrics"]
 
