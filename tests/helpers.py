@@ -9,6 +9,8 @@ tritonserver reports (Prometheus metrics, per-model statistics).
 - `ModelStats.read(server, model)`: Triton's statistics of one model (`deploy.server_stats`, the
   parser hstu-bench uses too): request counts, executions, and the dynamic batcher's batch
   sizes; subtract two reads for what happened in between.
+- `pages_in_store(endpoint, config, tokens, namespace, rpc_timeout_s)`: how many whole pages of
+  `tokens`, from the first, the host store holds, asked as the serving onboard asks.
 - `assert_scores_match(served, expected, tolerance, what)`: served scores against the reference's,
   the shape first (`np.abs(served - expected)` broadcasts: a (1, T) answer to a 3-candidate request
   would be compared against every row), then every value.
@@ -24,6 +26,8 @@ import numpy as np
 
 from deploy.metrics import scrape
 from deploy.server_stats import read_model_stats
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
+from kvlifecycle.store import open_store
 
 T = TypeVar("T")
 
@@ -47,6 +51,26 @@ def metric(server, name: str, **labels: str) -> float:
     """Sum of the Prometheus series `name` (on `server.metrics_url`) whose labels include
     `labels`; `MissingSeries` when the metrics port shows no such series."""
     return scrape(server.metrics_url, timeout_s=5).value(name, **labels)
+
+
+def pages_in_store(endpoint: str, config, tokens, namespace: str, rpc_timeout_s: float) -> int:
+    """Whole pages of `tokens`, from the first, that the host store at `endpoint` holds in
+    `namespace`; 0 when it is unreachable. Asked as the serving onboard asks (`get_prefix_async`
+    from page 0), so the held pages are copied, into a scratch CPU pool of the model's page
+    geometry (`config` is a `compute.HSTUConfig`; the store shares its pages across pools)."""
+    S = config.page_size
+    num_full = len(tokens) // S
+    if num_full == 0:
+        return 0  # the store keeps whole pages only
+    spec = PoolSpec(num_layers=config.num_layers, num_pages=num_full, page_size=S, num_heads=config.num_heads,
+                    head_dim=config.head_dim, dtype=config.dtype)
+    with PagePool.create(spec) as scratch, open_store("embedded", endpoint=endpoint, page_size=S,
+                                                      rpc_timeout_s=rpc_timeout_s,
+                                                      pool_handle=scratch.handle()) as store:
+        task, held = store.get_prefix_async(tokens, slots_for_pages(range(num_full), S), namespace, first_page=0)
+        if task is not None:
+            store.wait([task], timeout_s=rpc_timeout_s)  # the answer is `held`; the copy ends before the pool goes
+    return held
 
 
 def assert_scores_match(served, expected: np.ndarray, tolerance: float, what: str) -> None:

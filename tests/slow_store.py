@@ -1,5 +1,5 @@
 """Test entry point: the real store server whose copy thread sleeps before each copy, or whose
-socket thread sleeps before each match (a `get_match`, or the match of a `get_prefix`).
+socket thread sleeps before each match (the match of a `get_prefix`).
 
     python tests/slow_store.py --copy-delay-s 3 --endpoint ipc://... [any python -m kvlifecycle.store option]
     python tests/slow_store.py --match-delay-s 3 --endpoint ipc://...

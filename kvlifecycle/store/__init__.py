@@ -8,18 +8,15 @@ Operations, in the order they are called (``store = open_store(kind, **cfg)``):
    when a restarted store asks for it). Equivalently pass ``pool_handle=`` to ``open_store``:
    the client registers on first need. Several pools (owners) may share one store; each
    client's transfers go to its own pool, and stored pages (keyed by content) are shared.
-1. Lookup: ``task_id, mask = store.get_match(token_ids, namespace)``. ``mask`` is a bool
-   array over ``token_ids``, True for the longest prefix of whole pages the store holds
-   (keys: ``kvlifecycle.hashing.page_keys(token_ids, namespace, page_size)``). Never blocks
-   longer than the RPC timeout; all-False when the store is down (fail open, invariant 6).
-2. Onboard (store -> pool), either
-   - ``store.launch([task_id], [slot_mapping])`` for a ``get_match`` task (one slot per True
-     entry of its mask), or
-   - ``task_id = store.get_async(token_ids, slot_mapping, namespace, token_mask)`` for any
-     whole pages the store holds (e.g. the held pages not already on the device), or
-   - lookup and onboard in one: ``task_id, held = store.get_prefix_async(token_ids,
-     slot_mapping, namespace, first_page)`` copies the pages from ``first_page`` on that lie in
-     the held prefix (``task_id`` None when there are none); one RPC in the store servers.
+1. Lookup and onboard (store -> pool) in one RPC: ``task_id, held =
+   store.get_prefix_async(token_ids, slot_mapping, namespace, first_page)``. ``held`` is the
+   longest prefix of whole pages of ``token_ids`` the store holds (keys:
+   ``kvlifecycle.hashing.page_keys(token_ids, namespace, page_size)``); the task copies the
+   pages from ``first_page`` on that lie in it (``task_id`` None when there are none). Never
+   blocks longer than the RPC timeout; ``(None, 0)`` when the store is down (fail open,
+   invariant 6).
+2. Onboard of chosen pages: ``task_id = store.get_async(token_ids, slot_mapping, namespace,
+   token_mask)`` copies any whole pages the store holds (NOTFOUND if one is missing).
 3. Offload (pool -> store): ``task_id = store.put_async(token_ids, slot_mapping, namespace,
    token_mask=None)`` copies the selected whole pages' KV (all layers, K and V). The pool
    pages must stay untouched until the task is done.

@@ -69,7 +69,7 @@ def serve(args: argparse.Namespace, worker: CopyWorker, server_class: type[Store
         make_backing = backing_factory(args)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"python -m kvlifecycle.store: {e}") from None
-    hand_over_gil_promptly()  # the socket thread answers get_match while the copy thread runs Python
+    hand_over_gil_promptly()  # the socket thread answers get_prefix while the copy thread runs Python
     server = server_class(config, PoolRegistry(make_backing), worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

@@ -16,7 +16,7 @@ from kvlifecycle.hashing import TokenIds, tokens_as_int64
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages", "prefix_mask", "held_pages"]
+__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages"]
 
 DEFAULT_WAIT_TIMEOUT_S = 20.0
 
@@ -56,12 +56,6 @@ class HostStoreClient(abc.ABC):
         on reconnect)."""
 
     @abc.abstractmethod
-    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
-        """``(task_id, mask)``: ``mask`` is bool over ``token_ids``, True for the longest prefix
-        of whole pages the store holds. The task is a prepared get of those pages, started by
-        ``launch``; never launching it is fine. All-False when the store is unreachable."""
-
-    @abc.abstractmethod
     def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                   token_mask: TokenIds | None = None) -> int:
         """Copy the KV (all layers, K and V) of the whole pages selected by ``token_mask``
@@ -74,6 +68,7 @@ class HostStoreClient(abc.ABC):
         """Copy the whole pages selected by ``token_mask`` from the store into the pool slots
         ``slot_mapping`` (one per selected token). NOTFOUND if any selected page is missing."""
 
+    @abc.abstractmethod
     def get_prefix_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                          first_page: int) -> tuple[int | None, int]:
         """A lookup and an onboard in one: ``held``, the longest prefix of whole pages of
@@ -83,24 +78,7 @@ class HostStoreClient(abc.ABC):
         Returns ``(task_id | None, held)``; ``(None, 0)`` when the store is unreachable.
 
         The caller reserves pages for every candidate before it knows how many the store holds,
-        and recomputes the rest. A backend answers both in one round trip where it can; this
-        default is ``get_match`` then ``get_async`` (two)."""
-        tokens = tokens_as_int64(token_ids)
-        match_task, mask = self.get_match(tokens, namespace)
-        self.cancel([match_task])  # the get below is its own task
-        self.try_wait([match_task])
-        held = held_pages(mask, self.page_size)
-        if held <= first_page:
-            return None, held
-        copy = np.zeros(tokens.size, dtype=bool)
-        copy[first_page * self.page_size: held * self.page_size] = True
-        slots = tokens_as_int64(slot_mapping)[: (held - first_page) * self.page_size]
-        return self.get_async(tokens, slots, namespace, copy), held
-
-    @abc.abstractmethod
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
-        """Start the gets prepared by ``get_match``; ``slot_mappings[i]`` has one slot per
-        True entry of task ``task_ids[i]``'s mask."""
+        and recomputes the rest; the store answers both in one round trip."""
 
     @abc.abstractmethod
     def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
@@ -186,19 +164,6 @@ def select_pages(token_ids: TokenIds, slot_mapping: TokenIds, token_mask: TokenI
             "build it with kvlifecycle.pool.slots_for_pages")
     return PageSelection(tokens=tokens[: num_full * page_size], seq_pages=seq_pages,
                          pool_pages=first // page_size)
-
-
-def prefix_mask(num_tokens: int, held_pages: int, page_size: int) -> np.ndarray:
-    """bool [num_tokens], True for the first ``held_pages`` whole pages."""
-    mask = np.zeros(num_tokens, dtype=bool)
-    mask[: held_pages * page_size] = True
-    return mask
-
-
-def held_pages(mask: TokenIds, page_size: int) -> int:
-    """Whole pages from the first that a ``get_match`` mask marks held (the inverse of ``prefix_mask``)."""
-    misses = np.flatnonzero(~np.asarray(mask, dtype=bool))
-    return (int(misses[0]) if misses.size else int(np.asarray(mask).size)) // page_size
 
 
 def _as_bool_mask(token_mask: TokenIds, size: int, caller: str) -> np.ndarray:

@@ -1,10 +1,10 @@
 """Client of the store server (``python -m kvlifecycle.store``, whatever its backing: local or
-Mooncake), and a helper that starts that server as a child process.
+Mooncake; ``processes.start_store_process`` starts one as a child process).
 
 Every RPC has a timeout. A timeout closes the socket (a fresh one is made on the next call:
 the "lazy pirate" pattern) and opens a short back-off window in which calls fail at once
-instead of waiting again. While the store is unreachable the client fails open: ``get_match``
-reports nothing held, puts and gets report FAILED, and ``stats()`` counts each error; one
+instead of waiting again. While the store is unreachable the client fails open:
+``get_prefix_async`` reports nothing held, puts and gets report FAILED, and ``stats()`` counts each error; one
 warning is logged per outage and one info line when the store answers again.
 
 Safety of giving up: a put/get request carries ``accept_by`` (the RPC deadline) and
@@ -20,7 +20,7 @@ from ``pool_handle=`` (a process that only offloads from another process's pool,
 ``kv_offload``, passes the owner's published handle) or from its last ``register_pool``. It
 registers lazily: when the server answers ``NO_POOL`` (first use, store restarted, pool not
 yet attached) the client sends ``register_pool`` and retries once. A client with no pool
-cannot put or get (the server answers ``NO_POOL``); it can still match.
+cannot put or get (the server answers ``NO_POOL``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,8 +38,7 @@ import numpy as np
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.pool import check_page_size
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
-from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, prefix_mask,
-                                   select_pages)
+from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, select_pages
 from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
@@ -48,15 +46,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["StoreProcessClient"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
-
-
-@dataclass
-class _Prepared:
-    """A get prepared by get_match, not launched yet."""
-
-    tokens: np.ndarray
-    namespace: str
-    pages: int
 
 
 class StoreProcessClient(HostStoreClient):
@@ -104,7 +93,6 @@ class StoreProcessClient(HostStoreClient):
         self._down_until = 0.0
         self._local: dict[int, Status] = {}           # decided here (empty, refused, unreachable)
         self._remote: dict[int, float] = {}           # submitted: task -> start_by
-        self._prepared: dict[int, _Prepared] = {}     # get_match tasks not launched yet
         self._counters = collections.Counter[str]()
         self._closed = False
 
@@ -121,26 +109,6 @@ class StoreProcessClient(HostStoreClient):
         if reply is not None and reply["rpc"] is not RpcStatus.OK:
             self._count_refusal("register_pool", reply)
         return reply is not None and reply["rpc"] is RpcStatus.OK
-
-    def get_match(self, token_ids: TokenIds, namespace: str) -> tuple[int, np.ndarray]:
-        tokens = tokens_as_int64(token_ids)
-        num_full = tokens.size // self.page_size
-        task_id = next(self._ids)
-        pages = 0
-        if num_full:
-            header = {"op": Op.MATCH.value, "ns": namespace, "page_size": self.page_size}
-            if self._pool_id is not None:
-                header["pool"] = self._pool_id  # a store with one tier per pool (flexkv) matches in that one
-            reply = self._rpc(header, {"tokens": tokens[: num_full * self.page_size]})
-            if reply is not None and reply["rpc"] is RpcStatus.OK:
-                pages = int(reply["pages"])
-                assert 0 <= pages <= num_full, f"get_match: store claims {pages} of {num_full} pages"
-            elif reply is not None:
-                self._count_refusal("match", reply)
-        with self._lock:
-            self._prepared[task_id] = _Prepared(tokens[: pages * self.page_size], namespace, pages)
-        self._counters["match_pages"] += pages
-        return task_id, prefix_mask(tokens.size, pages, self.page_size)
 
     def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                   token_mask: TokenIds | None = None) -> int:
@@ -179,18 +147,6 @@ class StoreProcessClient(HostStoreClient):
             self._counters["get_submitted"] += 1
         return task_id, held
 
-    def launch(self, task_ids: Sequence[int], slot_mappings: Sequence[TokenIds]) -> None:
-        if len(task_ids) != len(slot_mappings):
-            raise ValueError(f"launch: {len(task_ids)} task_ids but {len(slot_mappings)} slot_mappings")
-        for task_id, slots in zip(task_ids, slot_mappings):
-            with self._lock:
-                prep = self._prepared.pop(task_id, None)
-            if prep is None:
-                raise ValueError(f"launch: task {task_id} is not a get_match task waiting for launch")
-            mask = np.ones(prep.tokens.size, dtype=bool)
-            sel = select_pages(prep.tokens, slots, mask, self.page_size, f"launch (task {task_id})")
-            self._submit(Op.GET, task_id, sel, prep.namespace)
-
     def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
         deadline = time.monotonic() + timeout_s
         out: dict[int, Status] = {}
@@ -215,8 +171,6 @@ class StoreProcessClient(HostStoreClient):
             for task_id in task_ids:
                 if task_id in self._local:
                     out[task_id] = self._local.pop(task_id)
-                elif task_id in self._prepared:
-                    out[task_id] = Status.UNREADY
                 elif task_id in self._remote:
                     remote.append(task_id)
                 else:
@@ -243,9 +197,7 @@ class StoreProcessClient(HostStoreClient):
         remote: list[int] = []
         with self._lock:
             for task_id in task_ids:
-                if self._prepared.pop(task_id, None) is not None:
-                    self._local[task_id] = Status.CANCELLED
-                elif task_id in self._remote:
+                if task_id in self._remote:
                     remote.append(task_id)
         if remote:
             self._rpc({"op": Op.CANCEL.value, "tasks": remote})

@@ -20,11 +20,12 @@ GPU registration):
    per layer; FlexKV opens them with CUDA IPC in its transfer process), then polls ``ping``
    until the server reports the pool ready. A process that does not own the pool (kv_offload)
    only names it.
-3. ``match`` -> ``KVManager.get_match`` (the prepared FlexKV task is cancelled: our client
-   launches gets itself); ``put``/``get`` -> ``put_async``/``get_async`` with a token mask over
-   the task's pages and a slot mapping ``pool_page * S + offset`` (the namespace is FlexKV's
-   namespace); ``poll`` -> ``try_wait``; ``cancel`` cancels nothing (FlexKV has launched the task
-   at submission; its real outcome is reported). A task moves one run of consecutive pages.
+3. ``get_prefix`` -> ``KVManager.get_match`` for the held prefix (its prepared FlexKV task is
+   cancelled), then ``get_async`` of the candidates inside it; ``put``/``get`` ->
+   ``put_async``/``get_async`` with a token mask over the task's pages and a slot mapping
+   ``pool_page * S + offset`` (the namespace is FlexKV's namespace); ``poll`` -> ``try_wait``;
+   ``cancel`` cancels nothing (FlexKV has launched the task at submission; its real outcome is
+   reported). A task moves one run of consecutive pages.
 
 Statuses: FlexKV's ``KVResponseStatus`` maps by name onto ``Status``; a get that FlexKV
 finished with fewer tokens than asked (a page was evicted meanwhile) is NOTFOUND (the owner
@@ -257,11 +258,9 @@ class FlexKVStoreServer:
         if page_size != pool.spec.page_size:
             raise ValueError(f"page_size: pool {pool_name} has {pool.spec.page_size}, got {page_size}")
         namespace = [str(header["ns"])]
-        if op is Op.MATCH:
-            return {"pages": self._held_prefix(pool, arrays["tokens"], namespace) if pool.ready.is_set() else 0}
         assert op in (Op.PUT, Op.GET, Op.GET_PREFIX), f"_dispatch: unhandled op {op}"
         if op is Op.GET_PREFIX and not pool.ready.is_set():
-            return {"pages": 0, "copying": False}  # as a match while FlexKV starts: a miss
+            return {"pages": 0, "copying": False}  # while FlexKV starts: a miss
         if not pool.ready.is_set():
             raise RpcError(RpcStatus.BUSY, f"pool {pool_name}: FlexKV is still starting")
         if time.monotonic() > float(header["accept_by"]):

@@ -4,7 +4,6 @@ Requests (``op``; fields besides ``v``, ``seq``, ``client``):
 - ``ping``                                       -> {}
 - ``stats``                                      -> {"stats": {...}}
 - ``register_pool`` handle                       -> {"pool": pool id} (attached, or already was)
-- ``match`` ns, page_size; arrays tokens         -> {"pages": k}
 - ``put``/``get`` task, ns, page_size, pool,
   accept_by, start_by; arrays tokens,
   seq_pages, pool_pages                          -> {} (accepted; poll for the outcome)
@@ -37,7 +36,6 @@ class Op(str, enum.Enum):
     PING = "ping"
     STATS = "stats"
     REGISTER_POOL = "register_pool"
-    MATCH = "match"
     PUT = "put"
     GET = "get"
     GET_PREFIX = "get_prefix"  # match + get in one round trip (HostStoreClient.get_prefix_async)

@@ -4,9 +4,10 @@ One process serving many clients over a zmq ROUTER socket (protocol in ``protoco
 module is the socket thread: it answers every RPC at once and never copies a page.
 
 - ``register_pool`` attaches a device page pool (``pools.PoolRegistry``);
-- ``match`` asks the pools' backing which prefix of pages it holds (``backing.Backing``);
 - ``put`` and ``get`` are checked and queued for the copy thread (``copy_worker.CopyWorker``),
   which copies between the task's pool and the backing; ``poll`` and ``cancel`` ask it;
+- ``get_prefix`` asks the pools' backing which prefix of pages it holds (``backing.Backing``)
+  and queues a get of the candidates inside it;
 - once a second it detaches closed pools and forgets stale tasks.
 
 Every put/get names the pool it copies to/from (``pool`` in the request, sent by a client built
@@ -132,8 +133,6 @@ class StoreServer:
         if op is Op.CANCEL:
             self.worker.cancel(client, [int(t) for t in header["tasks"]])
             return {}
-        if op is Op.MATCH:
-            return {"pages": self._match(int(header["page_size"]), arrays["tokens"], str(header["ns"]))}
         assert op in (Op.PUT, Op.GET, Op.GET_PREFIX), f"_dispatch: unhandled op {op}"
         pool = self._require_pool(header.get("pool"), int(header["page_size"]))
         if self._stop.is_set():

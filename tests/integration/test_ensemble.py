@@ -25,7 +25,7 @@ from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEFAULT_MODEL_REPOSITORY
 from deploy.trace import TraceConfig, generate, perf_analyzer_data
 from kvlifecycle.stats_keys import LOOKUP_OUTCOMES
 from tests.conftest import rendered_repository, start_server
-from tests.helpers import ModelStats, assert_scores_match, metric, wait_for
+from tests.helpers import ModelStats, assert_scores_match, metric, pages_in_store, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -227,8 +227,6 @@ def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -
     """With two kv_offload instances (`make_configs --offload-instances 2`): each commits and
     offloads, their counters add up in one series, each reports its own queue depth, and
     unloading the model flushes both."""
-    from kvlifecycle.store import open_store
-
     srv = start_server(tmp_path, model_control="explicit",
                        model_repository=rendered_repository(tmp_path, offload_instances=2))
     try:
@@ -247,17 +245,11 @@ def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -
         # Every full page of every request's history is in the host store now.
         model_dir = srv.settings.model_dir
         config, namespace = HSTUConfig.load(model_dir), fingerprint(model_dir)
-        store = open_store("embedded", endpoint=srv.settings.store_endpoint, page_size=config.page_size,
-                           rpc_timeout_s=5.0)
-        try:
-            for r in trace:
-                tokens = history_tokens(r.item_ids, r.action_ids, config)
-                full = (tokens.numel() // config.page_size) * config.page_size
-                _, mask = store.get_match(tokens, namespace)
-                held = int(np.asarray(mask, dtype=bool).sum())
-                assert held == full, f"user {r.user_id}: store holds {held} of {full} full-page tokens"
-        finally:
-            store.close()
+        for r in trace:
+            tokens = history_tokens(r.item_ids, r.action_ids, config)
+            full = tokens.numel() // config.page_size
+            held = pages_in_store(srv.settings.store_endpoint, config, tokens, namespace, 5.0)
+            assert held == full, f"user {r.user_id}: store holds {held} of {full} full pages"
     finally:
         srv.stop()
 

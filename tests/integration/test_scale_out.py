@@ -138,7 +138,7 @@ def test_users_stick_to_one_server_and_move_with_their_cache(cluster: Cluster, r
     host_hits = lookups(s1, "host_hit") - host_hits_before
     assert lookups(s1) - lookups_before == len(follow_up), "server 1 did not serve every moved user"
     # Each moved user's first request on server 1 misses its device pool; its pages, offloaded
-    # by server 0, are in the tier (a get_match that times out on a loaded machine is a miss).
+    # by server 0, are in the tier (a get_prefix that times out on a loaded machine is a miss).
     assert host_hits > 0, f"server 1: no host hits for {len(moved)} users moved from server 0"
     deadline = time.monotonic() + 10
     while not all(s1.grpc_url in routed_users(cluster, GRPC_METHOD)[u] for u in moved):

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from kvlifecycle.hashing import page_keys, tokens_as_int64
-from kvlifecycle.store.api import HostStoreClient
 
 
 class FakeStore:
@@ -27,16 +26,6 @@ class FakeStore:
         self.put_status: str | None = None
         self.raise_on: set[str] = set()
         self._ids = itertools.count(100)
-
-    def get_match(self, token_ids, namespace):
-        self._maybe_raise("get_match")
-        tokens = tokens_as_int64(token_ids)
-        mask = np.zeros(tokens.size, dtype=bool)
-        for i, key in enumerate(page_keys(tokens, namespace, self.page_size)):
-            if key not in self.pages:
-                break
-            mask[i * self.page_size:(i + 1) * self.page_size] = True
-        return next(self._ids), mask
 
     def put_async(self, token_ids, slot_mapping, namespace, token_mask=None):
         self._maybe_raise("put_async")
@@ -59,8 +48,23 @@ class FakeStore:
             self.tasks[task] = self.get_status or "NOTFOUND"
         return task
 
-    # The API's own two-call version: get_match, then get_async.
-    get_prefix_async = HostStoreClient.get_prefix_async
+    def get_prefix_async(self, token_ids, slot_mapping, namespace, first_page):
+        """The held prefix, and a ``get_async`` of its pages from ``first_page`` on (tests
+        wrap ``get_async`` to see the copy asked for)."""
+        self._maybe_raise("get_prefix_async")
+        tokens = tokens_as_int64(token_ids)
+        S = self.page_size
+        held = 0
+        for key in page_keys(tokens, namespace, S):
+            if key not in self.pages:
+                break
+            held += 1
+        if held <= first_page:
+            return None, held
+        copy = np.zeros(tokens.size, dtype=bool)
+        copy[first_page * S: held * S] = True
+        slots = tokens_as_int64(slot_mapping)[: (held - first_page) * S]
+        return self.get_async(tokens, slots, namespace, copy), held
 
     def wait(self, task_ids, timeout_s=1.0):
         self._maybe_raise("wait")

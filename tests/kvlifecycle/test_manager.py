@@ -278,7 +278,7 @@ def test_lookup_with_unconfirmed_host_pages_the_store_cannot_serve_recomputes_an
     if device_pages:
         serve(smgr, 1, history[: device_pages * S])
     if case == "store down":
-        store.raise_on.add("get_match")
+        store.raise_on.add("get_prefix_async")
     before = smgr.stats()
     lease = smgr.onboard(smgr.allocate(1, history, smgr.lookup(1, history)))
     assert (lease.cached_len, lease.new_tokens) == (device_pages * S, 16 - device_pages * S), case
@@ -330,7 +330,7 @@ def test_onboard_timeout_quarantines_pages_until_the_store_task_ends(smgr, store
     smgr.check_invariants()
     smgr.expire_leases()
     assert smgr.stats()["pages_quarantined"] == 2  # the store may still write them
-    store.finish(store.cancelled[-1])  # the onboard get (lookups cancel their match tasks too)
+    store.finish(store.cancelled[-1])  # the onboard get
     smgr.expire_leases()
     assert smgr.stats()["pages_quarantined"] == 0
     smgr.abort(done.lease_id)
@@ -350,7 +350,7 @@ def test_abort_during_onboard_is_deferred(smgr, store):
     baseline_ok(smgr)
 
 
-@pytest.mark.parametrize("broken", ["get_match", "wait"])
+@pytest.mark.parametrize("broken", ["get_prefix_async", "wait"])
 def test_store_down_fails_open(smgr, store, broken):
     tokens = list(range(8))
     fill_host(smgr, store, tokens)

@@ -1,6 +1,6 @@
 """Conformance of the embedded and mooncake backends to the ``kvlifecycle.store`` API (flexkv, which
 needs a GPU, has its own cases in test_store_flexkv.py):
-round trips are byte-identical, matches are whole-page prefixes, missing pages are NOTFOUND,
+round trips are byte-identical, the held pages are whole-page prefixes, missing pages are NOTFOUND,
 cancel/try_wait/wait behave, and a stopped store fails open and is reconnected."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status
 
-from .test_store_harness import SPEC, backend_params, close_shared_stores, fill_random, slots, tokens
+from .test_store_harness import SPEC, backend_params, close_shared_stores, fill_random, held_pages, slots, tokens
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PagePool]:
@@ -48,7 +48,7 @@ def _shared_stores() -> Iterator[None]:
     close_shared_stores()
 
 
-def test_put_match_get_round_trip_is_byte_identical(make_store, pool):
+def test_put_then_get_prefix_round_trip_is_byte_identical(make_store, pool):
     harness = make_store()
     store, ns = harness.client(), harness.ns
     seq = tokens(3, extra=2)  # 3 full pages + a partial page that is never stored
@@ -57,10 +57,9 @@ def test_put_match_get_round_trip_is_byte_identical(make_store, pool):
     put = store.put_async(seq, slots([5, 6, 9]), ns, token_mask=np.arange(seq.size) < 12)
     assert store.wait([put], timeout_s=10) == {put: Status.SUCCESS}
 
-    task, mask = store.get_match(seq, ns)
-    assert mask.tolist() == [True] * 12 + [False] * 2
     pool.tensor.zero_()
-    store.launch([task], [slots([20, 21, 22])])
+    task, held = store.get_prefix_async(seq, slots([20, 21, 22]), ns, first_page=0)
+    assert (held, task is not None) == (3, True), "the 3 full pages are held, the partial 4th never stored"
     assert store.wait([task], timeout_s=10) == {task: Status.SUCCESS}
     assert torch.equal(pool.tensor[:, [20, 21, 22]], expected)
     assert not pool.tensor[:, [5, 6, 9]].any(), "a get wrote outside its slots"
@@ -81,23 +80,20 @@ def test_get_async_of_some_held_pages(make_store, pool):
     assert torch.equal(pool.tensor[:, [10, 11]], expected[:, 1:])
 
 
-@pytest.mark.parametrize("case, query, held_pages", [
+@pytest.mark.parametrize("case, query, held", [
     ("same tokens", tokens(3), 3),
     ("longer history", tokens(5), 3),
     ("shorter history", tokens(2, extra=3), 2),
     ("page 1 rewritten", np.concatenate([tokens(1), tokens(2, start=900)]), 1),
     ("page 0 rewritten", tokens(3, start=500), 0),
-    ("under one page", tokens(0, extra=3), 0),
 ])
-def test_get_match_is_the_held_whole_page_prefix(make_store, pool, case, query, held_pages):
+def test_the_held_pages_are_the_stored_whole_page_prefix(make_store, pool, case, query, held):
     harness = make_store()
     store, ns = harness.client(), harness.ns
     put = store.put_async(tokens(3), slots([1, 2, 3]), ns)
     assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
 
-    _task, mask = store.get_match(query, ns)
-    assert mask.sum() == held_pages * SPEC.page_size, case
-    assert mask[: held_pages * SPEC.page_size].all(), case
+    assert held_pages(store, query, ns) == held, case
 
 
 def test_other_namespace_and_missing_pages_are_not_found(make_store, pool):
@@ -107,8 +103,7 @@ def test_other_namespace_and_missing_pages_are_not_found(make_store, pool):
     put = store.put_async(seq, slots([1, 2]), ns, token_mask=np.arange(seq.size) < 8)  # pages 0, 1
     assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
 
-    _task, mask = store.get_match(seq, "reloaded-model-weights")
-    assert not mask.any(), "another namespace (new weights) must never match"
+    assert held_pages(store, seq, "reloaded-model-weights") == 0, "another namespace (new weights) must never match"
     pool.tensor[:, 7] = 42.0
     get = store.get_async(seq, slots([6, 7, 8]), ns, np.ones(seq.size, dtype=bool))
     assert store.wait([get], timeout_s=10)[get] is Status.NOTFOUND
@@ -135,13 +130,15 @@ def test_get_prefix_copies_the_held_candidates_in_one_round_trip(make_store, poo
     assert store.wait([task], timeout_s=10) == {task: Status.SUCCESS}
     assert torch.equal(pool.tensor[:, [21, 22]], expected[:, 1:])
     assert (pool.tensor[:, [23, 24]] == 42.0).all(), "pages the store does not hold: slots untouched"
-    assert after["rpc_get_prefix"] == before.get("rpc_get_prefix", 0) + 1
-    assert after.get("rpc_match", 0) == before.get("rpc_match", 0), "no separate match round trip"
+    moved = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("rpc_") and v != before.get(k, 0)}
+    assert moved == {"rpc_get_prefix": 1, "rpc_stats": 1}, "one round trip: no separate match"
 
     assert store.get_prefix_async(seq, slots([25, 26]), ns, first_page=3) == (None, 3), "none held to copy"
     assert store.get_prefix_async(tokens(3, start=500), slots([27, 28]), ns, first_page=1) == (None, 0)
     with pytest.raises(ValueError, match="first_page"):
         store.get_prefix_async(seq, slots([]), ns, first_page=5)
+    with pytest.raises(ValueError, match="no full page"):  # under one page: nothing the store could hold
+        store.get_prefix_async(tokens(0, extra=3), slots([]), ns, first_page=0)
 
 
 COPY_DELAY_S = 1.0  # the store sleeps this long before each copy (tests/slow_store.py)
@@ -179,20 +176,16 @@ def test_cancel_before_start(make_store, pool):
         first = store.put_async(tokens(2, start=1 + 1000 * attempt), slots([1, 2]), ns)
         queued = tokens(2, start=100 + 1000 * attempt)
         second = store.put_async(queued, slots([3, 4]), ns)  # queued behind the first
-        match_task, _mask = store.get_match(tokens(2, start=1 + 1000 * attempt), ns)  # prepared, never launched
-
-        store.cancel([second, match_task])
+        store.cancel([second])
 
         if store.try_wait([first]) == {first: Status.UNREADY}:  # the first still copying: second not started
             break
-        store.wait([second, match_task], timeout_s=10)
+        store.wait([second], timeout_s=10)
     else:
         pytest.fail(f"the machine stalled past the {COPY_DELAY_S} s copy delay around a cancel {ATTEMPTS} times")
 
-    assert store.wait([first, second, match_task], timeout_s=10) == {
-        first: Status.SUCCESS, second: Status.CANCELLED, match_task: Status.CANCELLED}
-    _t, mask = store.get_match(queued, ns)
-    assert not mask.any(), "a cancelled put stored nothing"
+    assert store.wait([first, second], timeout_s=10) == {first: Status.SUCCESS, second: Status.CANCELLED}
+    assert held_pages(store, queued, ns) == 0, "a cancelled put stored nothing"
 
 
 def test_dram_capacity_evicts_least_recently_used(make_store, pool):
@@ -210,8 +203,7 @@ def test_dram_capacity_evicts_least_recently_used(make_store, pool):
 
     put = store.put_async(c, slots([5, 6]), ns)  # needs 2 rows: evicts b, the least recently used
     assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
-    held = {name: int(store.get_match(seq, ns)[1].sum()) // SPEC.page_size
-            for name, seq in (("a", a), ("b", b), ("c", c))}
+    held = {name: held_pages(store, seq, ns) for name, seq in (("a", a), ("b", b), ("c", c))}
     assert held == {"a": 2, "b": 0, "c": 2}
 
 
@@ -234,12 +226,10 @@ def fails_open_then_reconnects(harness, pool) -> None:
 
     harness.kill()
     t0 = time.monotonic()
-    _task, mask = store.get_match(tokens(2), ns)
     assert store.get_prefix_async(tokens(2), slots([3]), ns, first_page=1) == (None, 0), "fail open: a miss"
     failed_put = store.put_async(tokens(2), slots([1, 2]), ns)
     statuses = store.wait([failed_put], timeout_s=2)
     elapsed = time.monotonic() - t0
-    assert not mask.any(), "fail open: a down store is a miss"
     assert statuses[failed_put] in (Status.FAILED, Status.TIMEOUT)
     assert elapsed < DEAD_STORE_S, f"calls against a down store took {elapsed:.1f} s"
     assert store.stats()["errors"] >= 1
@@ -252,5 +242,5 @@ def fails_open_then_reconnects(harness, pool) -> None:
             break
         assert time.monotonic() < deadline, f"no reconnection; stats {store.stats()}"
         time.sleep(0.2)
-    assert store.get_match(tokens(2), ns)[1].all()
+    assert held_pages(store, tokens(2), ns) == 2
     assert store.stats()["reconnects"] >= 1

@@ -71,10 +71,9 @@ def test_owner_round_trip_is_byte_identical(owner, pool):
     put = owner.put_async(seq, slots([3, 7, 8, 9]), "ns-a")
     assert owner.wait([put], timeout_s=30) == {put: Status.SUCCESS}
 
-    task, mask = owner.get_match(seq, "ns-a")
-    assert int(mask.sum()) == 4 * SPEC.page_size
     pool.tensor[:, 100:104].zero_()
-    owner.launch([task], [slots([100, 101, 102, 103])])
+    task, held = owner.get_prefix_async(seq, slots([100, 101, 102, 103]), "ns-a", first_page=0)
+    assert held == 4 and task is not None
     assert owner.wait([task], timeout_s=30) == {task: Status.SUCCESS}
     torch.cuda.synchronize()
     assert torch.equal(pool.tensor[:, 100:104], expected)
@@ -85,8 +84,7 @@ def test_namespaces_are_isolated(owner, pool):
     fill(pool, [10, 11], seed=2)
     put = owner.put_async(seq, slots([10, 11]), "ns-b")
     assert owner.wait([put], timeout_s=30) == {put: Status.SUCCESS}
-    _task, mask = owner.get_match(seq, "ns-other")
-    assert not mask.any()
+    assert owner.get_prefix_async(seq, slots([12, 13]), "ns-other", first_page=0) == (None, 0)
 
 
 def test_a_second_process_client_offloads_into_the_owners_pool(endpoint, owner, pool):
@@ -114,9 +112,8 @@ def test_a_suffix_put_after_its_prefix_extends_the_match(owner, pool):
     suffix = np.arange(seq.size) >= 3 * SPEC.page_size
     second = owner.put_async(seq, slots([43, 44]), "ns-d", token_mask=suffix)
     assert owner.wait([second], timeout_s=30) == {second: Status.SUCCESS}
-    task, mask = owner.get_match(seq, "ns-d")
-    assert int(mask.sum()) == seq.size
-    owner.launch([task], [slots([50, 51, 52, 53, 54])])
+    task, held = owner.get_prefix_async(seq, slots([50, 51, 52, 53, 54]), "ns-d", first_page=0)
+    assert held == 5 and task is not None
     assert owner.wait([task], timeout_s=30) == {task: Status.SUCCESS}
     torch.cuda.synchronize()
     assert torch.equal(pool.tensor[:, 50:55], expected)
@@ -126,8 +123,7 @@ def test_a_get_of_pages_never_stored_is_notfound(owner):
     seq = tokens(2, seed=5)
     got = owner.get_async(seq, slots([60, 61]), "ns-e", np.ones(seq.size, dtype=bool))
     assert owner.wait([got], timeout_s=30)[got] in (Status.NOTFOUND, Status.FAILED)
-    task, mask = owner.get_match(seq, "ns-e")
-    assert not mask.any()
+    assert owner.get_prefix_async(seq, slots([62, 63]), "ns-e", first_page=0) == (None, 0)
 
 
 def test_get_prefix_copies_the_held_pages_in_one_round_trip(owner, pool):

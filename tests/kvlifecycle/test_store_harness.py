@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
-from kvlifecycle.store import HostStoreClient, open_store
+from kvlifecycle.store import HostStoreClient, Status, open_store
 from kvlifecycle.rpc import default_endpoint
 from kvlifecycle.store.processes import STORE_PROGRAM, start_store_process
 
@@ -48,6 +48,18 @@ def fill_random(pool: PagePool, pages: list[int], seed: int) -> torch.Tensor:
 
 def slots(pages: list[int]) -> np.ndarray:
     return slots_for_pages(pages, SPEC.page_size).numpy()
+
+
+def held_pages(store: HostStoreClient, seq: np.ndarray, ns: str) -> int:
+    """Whole pages of ``seq``, from the first, that ``store`` holds, asked as the serving onboard
+    asks (``get_prefix_async`` from page 0). The held pages are copied into the pool's last pages
+    (scratch: no test keeps data there), and the copy must succeed."""
+    num_full = seq.size // SPEC.page_size
+    task, held = store.get_prefix_async(seq, slots(list(range(SPEC.num_pages - num_full, SPEC.num_pages))), ns,
+                                        first_page=0)
+    if task is not None:
+        assert store.wait([task], timeout_s=10)[task] is Status.SUCCESS, f"copying the {held} held pages failed"
+    return held
 
 
 _SHARED_EMBEDDED: dict[str, Any] = {}  # one default server per test module (start-up is ~1.5 s)

@@ -66,9 +66,8 @@ def test_each_client_copies_to_and_from_its_own_pool(endpoint, store_proc, devic
 
             # B onboards A's pages: B gets A's bytes, A is untouched.
             a_before, b_before = pool_a.tensor.clone(), pool_b.tensor.clone()
-            match, mask = owner_b.get_match(seq_a, NS)
-            assert int(mask.sum()) == 12, "pages put from pool A are matched by every client"
-            owner_b.launch([match], [slots([5, 6, 7])])
+            match, held = owner_b.get_prefix_async(seq_a, slots([5, 6, 7]), NS, first_page=0)
+            assert held == 3 and match is not None, "pages put from pool A are matched by every client"
             assert owner_b.wait([match], timeout_s=10) == {match: Status.SUCCESS}
             assert torch.equal(pool_b.tensor[:, [5, 6, 7]], expected_a)
             assert torch.equal(pool_a.tensor, a_before), "B's get wrote into pool A"

@@ -19,6 +19,7 @@ from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.api import select_pages
 from kvlifecycle.store.processes import start_store_process
+from kvlifecycle.store.protocol import pool_id
 from kvlifecycle.rpc import RpcStatus, decode
 
 from .test_store_harness import NS, SPEC, fill_random, slots, store_program, tokens
@@ -51,7 +52,7 @@ def _python(code: str, *args: str, **kw) -> subprocess.Popen:
 
 def test_offload_and_onboard_across_three_processes(endpoint):
     """A creates the pool, B writes pages, C (the store server) copies them out on put_async;
-    the pool is wiped and get_async/launch bring back byte-identical pages."""
+    the pool is wiped and get_prefix_async/get_async bring back byte-identical pages."""
     owner = _python(OWNER, json.dumps(SPEC.to_dict()), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     store_proc = None
     try:
@@ -72,9 +73,8 @@ def test_offload_and_onboard_across_three_processes(endpoint):
             assert stats is not None and stats["put_pages"] == 4 and stats["dram_pages"] == 4
 
             pool.tensor.zero_()
-            match, mask = store.get_match(seq, NS)
-            assert int(mask.sum()) == 16
-            store.launch([match], [slots([10, 11, 12, 13])])
+            match, held = store.get_prefix_async(seq, slots([10, 11, 12, 13]), NS, first_page=0)
+            assert held == 4 and match is not None
             get = store.get_async(seq, slots([20, 21]), NS, (np.arange(seq.size) >= 8) & (np.arange(seq.size) < 16))
             assert store.wait([match, get], timeout_s=10) == {match: Status.SUCCESS, get: Status.SUCCESS}
         assert torch.equal(pool.tensor[:, [10, 11, 12, 13]], expected)
@@ -106,9 +106,8 @@ def test_disk_tier_survives_restart_and_a_corrupt_page_is_a_miss(endpoint, tmp_p
             pool.tensor.zero_()
             with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size,
                             pool_handle=pool.handle()) as store:
-                task, mask = store.get_match(seq, NS)
-                assert int(mask.sum()) == 12, "pages written before the restart are found after it"
-                store.launch([task], [slots([5, 6, 7])])
+                task, held = store.get_prefix_async(seq, slots([5, 6, 7]), NS, first_page=0)
+                assert held == 3 and task is not None, "pages written before the restart are found after it"
                 assert store.wait([task], timeout_s=10)[task] is Status.SUCCESS
                 assert torch.equal(pool.tensor[:, [5, 6, 7]], expected)
             proc.stop()
@@ -126,9 +125,8 @@ def test_disk_tier_survives_restart_and_a_corrupt_page_is_a_miss(endpoint, tmp_p
                             pool_handle=pool.handle()) as store:
                 get = store.get_async(seq, slots([5, 6, 7]), NS, np.ones(seq.size, dtype=bool))
                 assert store.wait([get], timeout_s=10)[get] is Status.NOTFOUND
-                _task, mask = store.get_match(seq, NS)
-                assert int(mask.sum()) == 4, "after the checksum failure only page 0 is held"
-                get = store.get_async(seq, slots([5]), NS, np.arange(seq.size) < 4)
+                get, held = store.get_prefix_async(seq, slots([5, 6, 7]), NS, first_page=0)
+                assert held == 1 and get is not None, "after the checksum failure only page 0 is held"
                 assert store.wait([get], timeout_s=10)[get] is Status.SUCCESS
                 assert torch.equal(pool.tensor[:, 5], expected[:, 0])
                 assert store.server_stats()["disk_corrupt_pages"] == 1
@@ -173,13 +171,14 @@ def test_malformed_requests_get_a_status_and_the_server_lives(endpoint):
         sock.connect(endpoint)
         try:
             with open_store("embedded", endpoint=endpoint, page_size=SPEC.page_size) as store:
-                assert store.register_pool(pool.handle())  # so a match of the wrong page size is checked
+                assert store.register_pool(pool.handle())  # so a get_prefix of the wrong page size is checked
             bad = [
                 [b"", b"not json"],
-                [b"", json.dumps({"v": 1, "op": "match", "seq": 1, "arrays": ["tokens"]}).encode(), b"123"],
+                [b"", json.dumps({"v": 1, "op": "get_prefix", "seq": 1, "arrays": ["tokens"]}).encode(), b"123"],
                 [b"", json.dumps({"v": 1, "op": "explode", "seq": 2, "arrays": []}).encode()],
-                [b"", json.dumps({"v": 1, "op": "match", "seq": 3, "ns": "x", "page_size": 6,
-                                  "arrays": ["tokens"]}).encode(), np.zeros(6, "<i8").tobytes()],
+                [b"", json.dumps({"v": 1, "op": "get_prefix", "seq": 3, "ns": "x", "page_size": 6,
+                                  "pool": pool_id(pool.handle()), "arrays": ["tokens"]}).encode(),
+                 np.zeros(6, "<i8").tobytes()],
             ]
             for frames in bad:
                 sock.send_multipart(frames)

@@ -41,10 +41,9 @@ from deploy.launcher import Server
 from deploy.runtime.schema import COMPUTE, ENSEMBLE, MONOLITHIC, OFFLOAD, RankingRequest
 from deploy.server_stats import read_model_stats
 from kvlifecycle.rpc import TIMEOUTS
-from kvlifecycle.store import open_store
 from deploy.trace import TraceConfig, generate
 from tests.conftest import REPO_ROOT
-from tests.helpers import ModelStats, metric, wait_for
+from tests.helpers import ModelStats, metric, pages_in_store, wait_for
 from tests.reliability.conftest import (BLOCKER_EVENTS, FAULT_CANDIDATE, FAULT_POOL_PAGES, KV_OWNER, LOOKUP, MODELS,
                                         SLOW_COMMIT_CANDIDATE, FaultServer, Load,
                                         blocker, check_scores, could_run_alone, evict_from_device, fire_together, held,
@@ -181,14 +180,9 @@ def in_the_store(server: Server, request: RankingRequest) -> bool:
     models key their pages in the namespace of the server's model folder)."""
     config = HSTUConfig.load(server.settings.model_dir)
     tokens = history_tokens(request.item_ids, request.action_ids, config)
-    store = open_store("embedded", endpoint=server.settings.store_endpoint, page_size=config.page_size,
-                       rpc_timeout_s=10.0)
-    try:
-        _, mask = store.get_match(tokens, fingerprint(server.settings.model_dir))
-    finally:
-        store.close()
-    full = tokens.numel() // config.page_size * config.page_size
-    return full > 0 and int(np.asarray(mask, dtype=bool).sum()) == full
+    full = tokens.numel() // config.page_size
+    namespace = fingerprint(server.settings.model_dir)
+    return full > 0 and pages_in_store(server.settings.store_endpoint, config, tokens, namespace, 10.0) == full
 
 
 def settled(read, what: str):

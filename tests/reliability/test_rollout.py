@@ -37,9 +37,8 @@ from compute.reference import ReferenceScorer
 from deploy.client import RankingClient
 from deploy.launcher import build_model
 from deploy.runtime.schema import COMPUTE, RankingRequest
-from kvlifecycle.store import open_store
 from tests.conftest import LocalServer, launch_config
-from tests.helpers import assert_scores_match
+from tests.helpers import assert_scores_match, pages_in_store
 from tests.reliability.conftest import REAL_REPOSITORY, TOLERANCE, EndlessLoad, Users, history, owner_stats, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -97,14 +96,8 @@ def in_the_store(server, request, namespace: str) -> bool:
     """Whether the host store holds every full page of `request`'s history in `namespace` (asked directly)."""
     config = HSTUConfig.load(server.settings.model_dir)
     tokens = history_tokens(request.item_ids, request.action_ids, config)
-    store = open_store("embedded", endpoint=server.settings.store_endpoint, page_size=config.page_size,
-                       rpc_timeout_s=30.0)
-    try:
-        _, mask = store.get_match(tokens, namespace)
-    finally:
-        store.close()
-    full = tokens.numel() // config.page_size * config.page_size
-    return full > 0 and int(np.asarray(mask, dtype=bool).sum()) == full
+    full = tokens.numel() // config.page_size
+    return full > 0 and pages_in_store(server.settings.store_endpoint, config, tokens, namespace, 30.0) == full
 
 
 def grown(request) -> RankingRequest:
