@@ -17,14 +17,11 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 - ``stats() -> dict`` and ``ping()``.
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
-calls ``manager.expire_leases()`` at least every ``expire_interval_s`` (between requests when
-busy, on poll timeouts when idle). While any onboard is in flight it calls
-``manager.poll_onboards()`` (which asks the store for the onboards just started, then checks the
-copies) every 0.5-1 ms (``ONBOARD_POLL_S``), and at once when the owner calls ``wake()`` after
-starting onboards; it answers each ``onboard_wait`` whose
-leases are all settled (the manager settles a late copy as a timeout, so every wait is answered
-within the store timeout of its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header,
-never pickle)::
+between requests runs the owner's housekeeping on that thread (``housekeeping.py``: onboard
+polling, at once when the owner calls ``wake()`` after starting onboards, and lease expiry every
+``expire_interval_s``); it answers each ``onboard_wait`` whose leases are all settled (the
+manager settles a late copy as a timeout, so every wait is answered within the store timeout of
+its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header, never pickle)::
 
     request: {"op": "commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
               "args": {...}}
@@ -38,7 +35,6 @@ call at a time).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -48,18 +44,13 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
+from kvlifecycle.housekeeping import OwnerHousekeeping
 from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, decode, prepare_ipc_dir
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout", "OnboardOutcome"]
-
-# While onboards are in flight the server asks the store about them (one try_wait for all) at
-# most this often, and at least once a millisecond: a copy's end reaches its waiter that late.
-ONBOARD_POLL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -104,6 +95,7 @@ class ControlServer:
         self.manager = manager
         self.endpoint = endpoint
         self.expire_interval_s = expire_interval_s
+        self._housekeeping = OwnerHousekeeping(manager, expire_interval_s)  # used by the thread only
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
@@ -179,17 +171,14 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        idle_poll_ms = max(1, int(self.expire_interval_s * 1000 / 2))
-        next_expire = time.monotonic() + self.expire_interval_s
-        next_onboard_poll = 0.0
+        housekeeping = self._housekeeping
         try:
             while not self._stop.is_set():
-                onboarding = self.manager.onboards_in_flight() > 0
-                ready = dict(poller.poll(1 if onboarding else idle_poll_ms))  # whole milliseconds
+                ready = dict(poller.poll(housekeeping.wait_ms()))
                 if wake in ready:
                     while wake.poll(0):
                         wake.recv()
-                    onboarding, next_onboard_poll = True, 0.0
+                    housekeeping.woken()
                 if sock in ready:
                     frames = sock.recv_multipart()
                     waited = self._onboard_wait_leases(frames)
@@ -198,32 +187,16 @@ class ControlServer:
                     else:
                         self._onboard_waits.append((frames, waited))
                 now = time.monotonic()
-                if onboarding and now >= next_onboard_poll:
-                    self._poll_onboards()
-                    next_onboard_poll = now + ONBOARD_POLL_S
+                housekeeping.poll_onboards_if_due(now)
                 if self._onboard_waits:
                     self._answer_settled_waits(sock)
-                if now >= next_expire:
-                    self._expire()
-                    next_expire = time.monotonic() + self.expire_interval_s
+                housekeeping.expire_if_due(now)
         finally:
             sock.close()
             wake.close()
             path = self.endpoint[len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)
-
-    def _expire(self) -> None:
-        try:
-            self.manager.expire_leases()
-        except Exception:
-            logger.error("expire_leases failed", exc_info=True)
-
-    def _poll_onboards(self) -> None:
-        try:
-            self.manager.poll_onboards()
-        except Exception:  # a bug: keep serving; the next poll tries again
-            logger.error("poll_onboards failed", exc_info=True)
 
     @staticmethod
     def _onboard_wait_leases(frames: list[bytes]) -> list[int] | None:
