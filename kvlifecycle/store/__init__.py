@@ -48,7 +48,7 @@ Backends (``open_store(kind, **cfg)``):
   a stall. cfg: as ``embedded``.
 - ``flexkv``: FlexKV (built with ``deploy/build_flexkv.sh``; CUDA pools only) in a store process
   of its own (``python -m kvlifecycle.store.flexkv``), reached with the embedded protocol; the
-  owner also registers its pool's memory with FlexKV's transfer engine (``flexkv.py``).
+  owner also registers its pool's memory with FlexKV's transfer engine (``flexkv_client.py``).
   cfg: as ``embedded``, plus ``owned_pool`` (the ``PagePool`` this process allocated).
 - ``none``: no host tier and no client: the caller serves from the device cache alone
   (``KVCacheManager(store=None)``).
@@ -75,7 +75,7 @@ def open_store(kind: str = "embedded", **cfg: Any) -> HostStoreClient:
         from kvlifecycle.store.embedded import StoreProcessClient
         return StoreProcessClient(**cfg)
     if kind == "flexkv":
-        from kvlifecycle.store.flexkv import FlexKVStoreClient
+        from kvlifecycle.store.flexkv_client import FlexKVStoreClient
         return FlexKVStoreClient(**cfg)
     if kind == "none":
         raise ValueError("open_store kind 'none' has no client: serve without one (store=None)")
