@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from kvlifecycle.store.mooncake import load_mooncake
+from kvlifecycle.store.mooncake_loader import load_mooncake
 
 logger = logging.getLogger("mooncake-node")
 

@@ -52,7 +52,8 @@ def backing_factory(args: argparse.Namespace) -> BackingFactory:
     """The factory of the backing ``args`` ask for; ValueError naming a bad option, RuntimeError
     when Mooncake cannot be loaded here."""
     if args.backing == "mooncake":
-        from kvlifecycle.store.mooncake import MooncakeConfig, load_mooncake
+        from kvlifecycle.store.mooncake import MooncakeConfig
+        from kvlifecycle.store.mooncake_loader import load_mooncake
 
         load_mooncake()  # fail at start (MooncakeUnavailable names why), not at the first register_pool
         return MooncakeConfig(master_address=args.mooncake_master, segment_bytes=args.mooncake_segment_bytes,

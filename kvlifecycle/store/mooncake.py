@@ -1,5 +1,5 @@
 """The ``mooncake`` backing of the store server: pages as objects in Mooncake Store (PyPI
-``mooncake-transfer-engine``), and helpers to run ``mooncake_master``.
+``mooncake-transfer-engine``, imported by ``mooncake_loader.load_mooncake``).
 
 The Mooncake client runs in the store server process only (``python -m kvlifecycle.store
 --backing mooncake``), never in a Triton model process: the models talk to that process over
@@ -22,27 +22,16 @@ once the master's port accepts a connection, so a master that is down costs a re
 not a 90 s ``setup``; when a call fails, the store is dropped (its ``close`` holds this process
 a few seconds: the models see store timeouts meanwhile) and set up afresh after
 ``retry_interval_s``, so a failure never leaves a half-working client behind.
-
-CPU hosts: the wheel links ``libcuda.so.1`` and ``libcudart.so.12``. Where the driver is
-absent, ``load_mooncake`` preloads a no-device stub ``libcuda.so.1`` (every entry point
-returns CUDA_ERROR_NO_DEVICE; built once with the C compiler into ``~/.cache/kvlifecycle``)
-and the runtime from ``nvidia-cuda-runtime-cu12``; Mooncake's TCP path then runs.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
-import os
-import shutil
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,49 +40,14 @@ import torch
 from kvlifecycle.rpc import split_host_port
 from kvlifecycle.store.api import Status
 from kvlifecycle.store.backing import Backing, BackingFactory
+from kvlifecycle.store.mooncake_loader import load_mooncake
 from kvlifecycle.store.transfer import PageCopier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeBacking", "MooncakeConfig", "load_mooncake", "MooncakeUnavailable"]
+__all__ = ["MooncakeBacking", "MooncakeConfig"]
 
-# Entry points of libcuda that mooncake's store.so links (nm -D --undefined-only store.so).
-_CUDA_DRIVER_SYMBOLS = (
-    "cuCtxGetDevice", "cuCtxSetCurrent", "cuDeviceGet", "cuDeviceGetAttribute",
-    "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRetain", "cuGetErrorName", "cuGetErrorString",
-    "cuInit", "cuMemAddressFree", "cuMemAddressReserve", "cuMemCreate", "cuMemExportToShareableHandle",
-    "cuMemGetAddressRange_v2", "cuMemGetAllocationGranularity", "cuMemGetHandleForAddressRange",
-    "cuMemImportFromShareableHandle", "cuMemMap", "cuMemRelease", "cuMemSetAccess", "cuMemUnmap",
-    "cuPointerGetAttribute", "cuPointerSetAttribute",
-)
-_CUDA_ERROR_NO_DEVICE = 100
 _OBJECT_NOT_FOUND = -704  # ErrorCode::OBJECT_NOT_FOUND (mooncake-store types.h)
-_STUB_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlifecycle"
-
-
-class MooncakeUnavailable(RuntimeError):
-    """``mooncake.store`` cannot be imported here; the message says why."""
-
-
-def load_mooncake() -> Any:
-    """The ``mooncake.store`` module, preloading CUDA stand-ins on a host without a driver.
-    Raises MooncakeUnavailable naming the cause."""
-    try:
-        import mooncake.store as mstore
-        return mstore
-    except ImportError as e:
-        if "libcuda.so.1" not in str(e) and "libcudart.so.12" not in str(e):
-            raise MooncakeUnavailable(f"import mooncake.store failed: {e}") from e
-        first_error = e
-    try:
-        _preload_cuda_standins()
-        import mooncake.store as mstore
-        logger.warning("mooncake: no CUDA driver on this host (%s); using a no-device libcuda stub",
-                       first_error)
-        return mstore
-    except (ImportError, OSError, subprocess.CalledProcessError) as e:
-        raise MooncakeUnavailable(
-            f"import mooncake.store failed ({first_error}); the no-device CUDA stub did not help: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -309,37 +263,3 @@ def _port_open(address: str, timeout_s: float = 0.2) -> bool:
             return True
     except OSError:
         return False
-
-
-def _preload_cuda_standins() -> None:
-    """Load a no-device libcuda.so.1 and the pip CUDA runtime so store.so's links resolve."""
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        ctypes.CDLL(str(_build_cuda_stub()), mode=ctypes.RTLD_GLOBAL)
-    try:
-        ctypes.CDLL("libcudart.so.12", mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        import nvidia.cuda_runtime  # PyPI nvidia-cuda-runtime-cu12
-
-        lib = Path(list(nvidia.cuda_runtime.__path__)[0]) / "lib" / "libcudart.so.12"
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-
-
-def _build_cuda_stub() -> Path:
-    target = _STUB_DIR / "libcuda.so.1"
-    if target.exists():
-        return target
-    _STUB_DIR.mkdir(parents=True, exist_ok=True)
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc/gcc) to build the no-device libcuda.so.1 stub")
-    source = "\n".join(f"int {name}(void) {{ return {_CUDA_ERROR_NO_DEVICE}; }}" for name in _CUDA_DRIVER_SYMBOLS)
-    with tempfile.TemporaryDirectory() as tmp:
-        c_file = Path(tmp) / "cuda_stub.c"
-        c_file.write_text(source + "\n")
-        built = Path(tmp) / "libcuda.so.1"
-        subprocess.run([compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(built), str(c_file)],
-                       check=True, capture_output=True)
-        os.replace(built, target)  # atomic: concurrent builders agree
-    return target

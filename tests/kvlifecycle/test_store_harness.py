@@ -186,7 +186,7 @@ def close_shared_stores() -> None:
 
 
 def mooncake_skip_reason() -> str | None:
-    from kvlifecycle.store.mooncake import MooncakeUnavailable, load_mooncake
+    from kvlifecycle.store.mooncake_loader import MooncakeUnavailable, load_mooncake
 
     try:
         load_mooncake()
