@@ -91,10 +91,6 @@ class PagedBatch:
     def num_users(self) -> int:
         return self.cached_lens.shape[0]
 
-    @property
-    def num_candidates(self) -> int:
-        return self.candidates.shape[0]
-
     def check(self, kv_pool: torch.Tensor, page_size: int, vocab_size: int, item_vocab: int) -> str | None:
         """``None`` when the batch fits the pool ``[L, P, 2, S, H, D]`` and the token space,
         else a message naming the user and what is wrong. Runs on the host, O(B + T + C)."""

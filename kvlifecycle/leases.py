@@ -134,10 +134,6 @@ class Lease:
         return self.page_row[self.num_device_pages: self.num_device_pages + self.num_onboard_pages]
 
     @property
-    def new_full_pages(self) -> tuple[int, ...]:
-        return self.page_row[self.num_device_pages + self.num_onboard_pages: self.num_full_pages]
-
-    @property
     def partial_page(self) -> int | None:
         return self.page_row[-1] if self.num_tokens % self.page_size else None
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlifecycle.hashing import page_keys
+from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager, LeaseGone
 from kvlifecycle.offload_worker import Offloader
 from kvlifecycle.page_table import PoolExhausted
@@ -70,7 +71,7 @@ def baseline_ok(m):
 def test_allocate_shapes(mgr, n, pages, full, partial):
     alloc = mgr.allocate(1, list(range(n)))
     assert len(alloc.page_row) == pages and len(set(alloc.page_row)) == pages
-    assert len(alloc.new_full_pages) == full
+    assert new_full_pages(alloc) == full
     assert (alloc.partial_page is not None) == partial
     assert alloc.cached_len == 0 and alloc.new_tokens == n
     mgr.check_invariants()
@@ -260,7 +261,7 @@ def test_lookup_with_unconfirmed_host_pages_onboards_the_candidates_the_store_ho
     hit = smgr.lookup(1, history)
     assert hit.host_unconfirmed and (hit.device_tokens, hit.host_tokens) == (0, 16)
     lease = smgr.onboard(smgr.allocate(1, history, hit))
-    assert (lease.cached_len, len(lease.onboard_pages), len(lease.new_full_pages)) == (8, 2, 2)
+    assert (lease.cached_len, len(lease.onboard_pages), new_full_pages(lease)) == (8, 2, 2)
     assert all(torch.all(store.pool[:, p] == 7.0) for p in lease.onboard_pages)
     assert counted(smgr, before) == {"lookups_host_hit": 1}  # counted once, when the store answered
     assert len(smgr.commit(lease.lease_id)) == 2  # only the pages the store lacked are offloaded
@@ -309,7 +310,7 @@ def test_onboard_failure_downgrades_to_recompute(smgr, store, failure, counter):
         store.get_status = failure
     done = smgr.onboard(alloc)
     assert done.page_row == alloc.page_row
-    assert (done.cached_len, done.new_tokens, len(done.new_full_pages)) == (0, 12, 3)
+    assert (done.cached_len, done.new_tokens, new_full_pages(done)) == (0, 12, 3)
     assert smgr.stats()[counter] == 1
     assert len(smgr.commit(done.lease_id)) == 3  # recomputed pages are offloaded again
     smgr.check_invariants()
@@ -567,3 +568,8 @@ def test_a_request_fails_after_the_wait_or_at_once_when_it_could_never_fit(tiny_
     assert (m.stats()["pool_waits"], m.stats()["pool_exhausted"]) == (1, 2), "it waited for pages it could never get"
     m.offload_done([it.page_id for it in items], True)
     baseline_ok(m)
+
+
+def new_full_pages(lease: Lease) -> int:
+    """The full pages the lease's request computes (past its cached prefix)."""
+    return lease.num_full_pages - lease.cached_len // lease.page_size
