@@ -15,7 +15,7 @@ import torch
 from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status
 
-from .test_store_harness import SPEC, backend_params, close_shared_stores, fill_random, held_pages, slots, tokens
+from .store_harness import SPEC, backend_params, close_shared_stores, fill_random, held_pages, slots, tokens
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PagePool]:

@@ -19,7 +19,7 @@ from kvlifecycle.store.pools import PoolRegistry
 from kvlifecycle.store.protocol import Op
 from kvlifecycle.store.transfer import PageCopier
 
-from .test_store_harness import NS, SPEC, tokens
+from .store_harness import NS, SPEC, tokens
 
 
 class GatedBacking(Backing):

@@ -20,7 +20,7 @@ from kvlifecycle.store.protocol import pool_id
 from tests.helpers import wait_for
 
 from .conftest import run_child
-from .test_store_harness import NS, SPEC, fill_random, slots, tokens
+from .store_harness import NS, SPEC, fill_random, slots, tokens
 
 SENTINEL = 7.0  # pool B's initial content: any write a test did not expect shows up
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,

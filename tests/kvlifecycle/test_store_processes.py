@@ -22,7 +22,7 @@ from kvlifecycle.store.processes import start_store_process
 from kvlifecycle.store.protocol import pool_id
 from kvlifecycle.rpc import RpcStatus, decode
 
-from .test_store_harness import NS, SPEC, fill_random, slots, store_program, tokens
+from .store_harness import NS, SPEC, fill_random, slots, store_program, tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

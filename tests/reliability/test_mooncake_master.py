@@ -21,7 +21,7 @@ from deploy.runtime.schema import RankingRequest
 from kvlifecycle.store import open_store
 from tests.conftest import LocalServer, launch_config
 from tests.helpers import wait_for
-from tests.kvlifecycle.test_store_harness import mooncake_skip_reason
+from tests.kvlifecycle.store_harness import mooncake_skip_reason
 from tests.reliability.conftest import check_scores, history, owner_stats, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
