@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from compute.files import replace_atomically
-from kvlifecycle.pool import check_page_size  # the pages compute reads are the pool's
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,11 @@ class HSTUConfig:
         for name, low in minimum.items():
             if getattr(self, name) < low:
                 raise ValueError(f"HSTUConfig.{name}: expected >= {low}, got {getattr(self, name)}")
-        check_page_size(self.page_size, "HSTUConfig.page_size")
+        # kvlifecycle.pool.check_page_size holds the same rule for the pool; compute imports
+        # nothing of kvlifecycle (each package is built and tested on its own).
+        if self.page_size % 2 != 0:
+            raise ValueError(f"HSTUConfig.page_size: expected an even number of tokens (an event is two "
+                             f"tokens, so a page boundary falls between events), got {self.page_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"HSTUConfig.dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
 
