@@ -68,9 +68,9 @@ class TritonPythonModel:
         self.settings.prepare_run_dir()  # the owner's pool handle and control socket live there
         self.device = torch.device(self.settings.device)
         if self.device.type == "cuda":
-            # The host's tensor ops here are small. torch's intra-op pool (one thread per core) woke
-            # a team for each parallel_for and left it spinning: on the 16-core GPU host one
-            # repeat_interleave per batch cut the ensemble's throughput at c=32 from 2,279 to 605 req/s.
+            # The host's tensor ops here are small; torch's intra-op pool (one thread per core) wakes
+            # a team per parallel_for and leaves it spinning on cores the other steps need
+            # (docs/ARCHITECTURE.md, hstu_compute).
             torch.set_num_threads(1)
         self.version = args["model_version"]
         self.model_dir = self._model_dir(Path(args["model_repository"]) / self.version)
