@@ -65,8 +65,8 @@ class HSTUConfig:
         for name, low in minimum.items():
             if getattr(self, name) < low:
                 raise ValueError(f"HSTUConfig.{name}: expected >= {low}, got {getattr(self, name)}")
-        # kvlifecycle.pool.check_page_size holds the same rule for the pool; compute imports
-        # nothing of kvlifecycle (each package is built and tested on its own).
+        # The one place of this rule: kvlifecycle pages any number of tokens, and every served
+        # pool is built from this config.
         if self.page_size % 2 != 0:
             raise ValueError(f"HSTUConfig.page_size: expected an even number of tokens (an event is two "
                              f"tokens, so a page boundary falls between events), got {self.page_size}")

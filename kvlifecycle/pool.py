@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "PoolSpec",
     "PagePool",
-    "check_page_size",
     "slots_for_pages",
 ]
 
@@ -58,14 +57,6 @@ SHM_PREFIX = "kvlifecycle-pool-"  # then the creator's pid, "-", a random suffix
 _HANDLE_VERSION = 1
 
 POOL_DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8")  # torch dtype names a pool may hold
-
-
-def check_page_size(page_size: int, where: str) -> None:
-    """Raise ValueError unless ``page_size`` is a positive even number of tokens: an event is two
-    tokens (item, action), so an even page size puts every page boundary between events."""
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % 2:
-        raise ValueError(f"{where}: expected a positive even number of tokens (a page boundary must "
-                         f"fall between events), got {page_size!r}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +78,6 @@ class PoolSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"PoolSpec.{name}: expected a positive int, got {value!r}")
-        check_page_size(self.page_size, "PoolSpec.page_size")
         if self.dtype not in POOL_DTYPES:
             raise ValueError(f"PoolSpec.dtype: expected one of {sorted(POOL_DTYPES)}, got {self.dtype!r}")
         kind = torch.device(self.device).type

@@ -36,7 +36,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
-from kvlifecycle.pool import check_page_size
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
 from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, select_pages
 from kvlifecycle.store.protocol import Op, pool_id
@@ -68,7 +67,8 @@ class StoreProcessClient(HostStoreClient):
                  register_timeout_s: float = TIMEOUTS.store_register_s) -> None:
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint: expected ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
-        check_page_size(page_size, "page_size")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+            raise ValueError(f"page_size: expected a positive int of tokens, got {page_size!r}")
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s: expected > 0 seconds, got {rpc_timeout_s}")
         if retry_interval_s < 0:

@@ -35,7 +35,7 @@ def test_page_bytes(tiny_spec):
 
 @pytest.mark.parametrize("field,value,match", [
     ("num_pages", 0, "num_pages"),
-    ("page_size", 3, "even"),
+    ("page_size", 0, "page_size"),
     ("dtype", "int7", "dtype"),
     ("device", "mps", "device"),
     ("head_dim", True, "head_dim"),
