@@ -3,6 +3,7 @@ forward first (so the pool holds its K/V), then the new suffix with its candidat
 
 - ``make_user(rng, config, events, candidates)`` -> ``User``; ``PageAllocator``: hands out page ids.
 - ``serve(run, pool, users, split)``: prefix pass for each user, then one batched suffix call.
+- ``GPU_SMALL_CONFIG``: the small GPU config's JSON (the CUDA tests, and the CPU check of its sensitivity).
 - ``with_other_prefix(user, rng, config, first_event)``: the user with events
   ``[first_event, cached events)`` replaced, for proving that scores notice a wrong cached prefix.
 """
@@ -10,6 +11,7 @@ forward first (so the pool holds its K/V), then the new suffix with its candidat
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ import torch
 from compute import HSTUConfig, PagedBatch, history_tokens
 
 NUM_PAGES = 640  # enough for several users of 2,048 events (128 pages each)
+GPU_SMALL_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
 
 
 @dataclass

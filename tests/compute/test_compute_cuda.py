@@ -20,20 +20,20 @@ import torch
 from compute import HSTUConfig, PagedBatch, build, default_tolerance, load_compiled, load_reference
 from deploy.bench.compute import Case, call_peak_bytes, make_batch, median_call_ms
 from deploy.bench.compute import new_pool as zero_pool
-from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request, with_other_prefix
+from paged_helpers import (GPU_SMALL_CONFIG, PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request,
+                           with_other_prefix)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh on the GPU host)"),
 ]
 
-GPU_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
 
 
 @pytest.fixture(scope="module")
 def cuda_model_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("hstu_cuda")
-    HSTUConfig.load(GPU_CONFIG).save(folder)
+    HSTUConfig.load(GPU_SMALL_CONFIG).save(folder)
     build(folder, "cuda")
     return folder
 

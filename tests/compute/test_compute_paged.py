@@ -6,8 +6,6 @@ Every pool starts full of NaN, so reading a slot that no pass wrote shows up in 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -15,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compute import HSTUConfig, PagedBatch, default_tolerance, load_reference
-from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request, with_other_prefix
+from paged_helpers import (GPU_SMALL_CONFIG, PageAllocator, fill_prefix, make_user, new_pool, serve, suffix_request,
+                           with_other_prefix)
 
 TOLERANCE = 1e-4  # fp32 on CPU, docs/ARCHITECTURE.md invariant 1
-GPU_SMALL_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "gpu_small_bf16.json"
 
 
 def reference_scores(scorer, users) -> np.ndarray:
