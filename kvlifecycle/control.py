@@ -17,11 +17,12 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 - ``stats() -> dict`` and ``ping()``.
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
-between requests runs the owner's housekeeping on that thread (``housekeeping.py``: onboard
-polling, at once when the owner calls ``wake()`` after starting onboards, and lease expiry every
-``expire_interval_s``); it answers each ``onboard_wait`` whose leases are all settled (the
-manager settles a late copy as a timeout, so every wait is answered within the store timeout of
-its launch). Messages are ``kvlifecycle.rpc`` frames (JSON header, never pickle)::
+between requests expires leases every ``expire_interval_s``. Onboards are settled on a second
+thread (``housekeeping.OnboardSettler``), which the owner wakes with ``wake()`` after starting
+onboards and which wakes this one when it settled some; the server then answers each
+``onboard_wait`` whose leases are all settled (the manager settles a late copy as a timeout, so
+every wait is answered within the store timeout of its launch). Messages are ``kvlifecycle.rpc``
+frames (JSON header, never pickle)::
 
     request: {"op": "commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
               "args": {...}}
@@ -44,7 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
-from kvlifecycle.housekeeping import OwnerHousekeeping
+from kvlifecycle.housekeeping import LeaseExpiry, OnboardSettler
 from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed
@@ -95,7 +96,7 @@ class ControlServer:
         self.manager = manager
         self.endpoint = endpoint
         self.expire_interval_s = expire_interval_s
-        self._housekeeping = OwnerHousekeeping(manager, expire_interval_s)  # used by the thread only
+        self._expiry = LeaseExpiry(manager, expire_interval_s)  # used by the control thread only
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
@@ -111,24 +112,22 @@ class ControlServer:
             self._thread.join()
             self._ctx.term()
             raise self._bind_error
+        self._settler = OnboardSettler(manager, on_settled=self._settled)
 
     # -- public API ---------------------------------------------------------------------
 
     def wake(self) -> None:
-        """Have the thread poll the onboards now (the owner just started some): their copies
-        start without waiting for the thread's next timeout, which is long while it was idle."""
-        with self._waker_lock:
-            if self._stop.is_set():
-                return
-            self._poke()
+        """The owner just started onboards: the settler asks the store about them now."""
+        self._settler.wake()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (woken, so at once) and remove the socket file; idempotent."""
+        """Stop both threads (woken, so at once) and remove the socket file; idempotent."""
         with self._waker_lock:
             if self._stop.is_set():
                 return
             self._stop.set()
             self._poke()
+        self._settler.close(timeout_s)
         self._thread.join(timeout_s)
         with self._waker_lock:
             self._waker.close()
@@ -141,6 +140,12 @@ class ControlServer:
         self.close()
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _settled(self) -> None:
+        """The settler settled onboards: the control thread answers the waits they complete."""
+        with self._waker_lock:
+            if not self._stop.is_set():
+                self._poke()
 
     def _poke(self) -> None:
         """One message down the wake-up pipe (caller holds ``_waker_lock``)."""
@@ -171,14 +176,12 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        housekeeping = self._housekeeping
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(housekeeping.wait_ms()))
+                ready = dict(poller.poll(self._expiry.wait_ms(time.monotonic())))
                 if wake in ready:
                     while wake.poll(0):
                         wake.recv()
-                    housekeeping.woken()
                 if sock in ready:
                     frames = sock.recv_multipart()
                     waited = self._onboard_wait_leases(frames)
@@ -186,11 +189,9 @@ class ControlServer:
                         sock.send_multipart(answer(frames, self._handle)[0])
                     else:
                         self._onboard_waits.append((frames, waited))
-                now = time.monotonic()
-                housekeeping.poll_onboards_if_due(now)
                 if self._onboard_waits:
                     self._answer_settled_waits(sock)
-                housekeeping.expire_if_due(now)
+                self._expiry.expire_if_due(time.monotonic())
         finally:
             sock.close()
             wake.close()

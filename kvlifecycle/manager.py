@@ -185,11 +185,13 @@ class KVCacheManager:
     def lookup_many(self, requests: Sequence[tuple[int, TokenIds]]) -> list[LookupResult]:
         """``lookup`` of each ``(user_id, token_ids)``: one table lock for every device match.
 
-        The host store is not asked here. When at least ``min_host_pages`` full pages follow the
-        device prefix (and there is a store), those pages are candidates (``host_unconfirmed``):
+        The host store is not asked here. The pages after the device prefix that the store may
+        hold (``store.may_hold``: its published filter of held keys, read without a round trip)
+        are candidates (``host_unconfirmed``) when there are at least ``min_host_pages`` of them:
         ``allocate_many`` reserves them as onboard pages and the onboard's launch asks the store
         to copy the ones it holds, in one round trip instead of a match here and a get there.
-        Such a lookup's outcome is counted then; the others' are counted here.
+        Such a lookup's outcome is counted then; the others' are counted here (a request the
+        filter kept from asking is a miss or a device hit, computed with the batch).
 
         Never waits: pages another request is still writing are not found (see
         ``kvlifecycle.leases``, "Uncommitted prefixes")."""
@@ -199,7 +201,12 @@ class KVCacheManager:
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             candidates = self.store is not None and len(keys) - len(device) >= self.min_host_pages
-            host_pages = len(keys) if candidates else 0
+            if candidates:
+                may_hold = self.store.may_hold(keys[len(device):])
+                candidates = may_hold >= self.min_host_pages
+                if not candidates:
+                    self.leases.count("host_filtered_lookups")
+            host_pages = len(device) + may_hold if candidates else 0
             results.append(LookupResult(
                 user_id=int(user_id),
                 namespace=self.namespace,
@@ -332,10 +339,11 @@ class KVCacheManager:
         with self._in_flight_lock:
             return len(self._in_flight)
 
-    def poll_onboards(self, now: float | None = None) -> list[int]:
+    def poll_onboards(self, now: float | None = None, wait_s: float = 0.0) -> list[int]:
         """Ask the store for the onboards started since the last poll (``get_prefix_async``
         each: a lease whose store holds none of its onboard pages is settled at once), then
-        settle the in-flight onboards whose copy ended (one store ``try_wait`` for all of them)
+        settle the in-flight onboards whose copy ended (one store ``try_wait`` for all of them,
+        which returns once one copy ended or after ``wait_s``, never past the nearest deadline)
         or whose deadline passed (a timeout: the copy is cancelled, and its pages are
         quarantined while it may still write). Returns the lease ids settled."""
         with self._in_flight_lock:
@@ -359,7 +367,10 @@ class KVCacheManager:
         if not pending:
             return settled
         try:
-            statuses = self.store.try_wait([task for task, _ in pending.values()])
+            wait_s = min(wait_s, min(deadline for _, deadline in pending.values()) - now)
+            statuses = self.store.try_wait([task for task, _ in pending.values()], wait_s=max(0.0, wait_s))
+            if wait_s > 0:
+                now = self.clock()
         except Exception:
             logger.warning("host store try_wait failed for onboards of leases %s", list(pending), exc_info=True)
             self.leases.count("store_errors")

@@ -37,7 +37,7 @@ LEASE_COUNTERS = (
     "duplicate_pages", "commit_unknown_lease", "aborts", "leases_expired", "onboarded_pages",
     "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
     "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
-    "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits",
+    "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits", "host_filtered_lookups",
 )
 
 # ``OffloadWorker.stats()`` (with a store: ``Offloader`` counters and the store's errors).
@@ -50,7 +50,7 @@ OFFLOAD_STATS = (
 OWNER_PUBLISHED = (
     *(lookups_key(outcome) for outcome in LOOKUP_OUTCOMES), "cached_tokens_served", "onboarded_pages",
     "pages_free", "pages_in_use", "pages_pinned", "pages_leased", "store_errors",
-    "uncommitted_prefix_lookups", "pool_waits", "pool_exhausted",
+    "uncommitted_prefix_lookups", "pool_waits", "pool_exhausted", "host_filtered_lookups",
 )
 OFFLOAD_PUBLISHED = (
     "offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps", "store_errors",

@@ -23,6 +23,9 @@ owners publish `OWNER_PUBLISHED`, kv_offload `OFFLOAD_PUBLISHED`):
   uncommitted_prefix_lookups -> hstu_kv_uncommitted_prefix_lookups_total
                        lookups that found their prefix still being written by a request in flight
                        (the same user's previous request) and computed those pages themselves
+  host_filtered_lookups -> hstu_kv_host_filtered_lookups_total
+                       lookups the host store's filter of held keys showed it could not serve: not
+                       asked, computed with the batch (no onboard round trip)
   pool_waits / pool_exhausted -> hstu_kv_pool_waits_total / hstu_kv_pool_exhausted_total
                        reservations that waited for pages held by other requests or by offloads
                        in flight; requests refused for want of pages (a retryable error)
@@ -61,6 +64,8 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "store_errors": ("hstu_kv_store_errors_total", "counter", "Failed or timed-out host store calls", {}),
     "uncommitted_prefix_lookups": ("hstu_kv_uncommitted_prefix_lookups_total", "counter",
                                    "Lookups whose prefix a request in flight was still writing (recomputed)", {}),
+    "host_filtered_lookups": ("hstu_kv_host_filtered_lookups_total", "counter",
+                              "Lookups not asked of the host store: its filter of held keys ruled them out", {}),
     "pool_waits": ("hstu_kv_pool_waits_total", "counter",
                    "Reservations that waited for pages held by other requests or offloads in flight", {}),
     "pool_exhausted": ("hstu_kv_pool_exhausted_total", "counter", "Requests refused for want of device pages", {}),

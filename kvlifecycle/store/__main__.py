@@ -6,7 +6,9 @@
         --backing mooncake --mooncake-master HOST:PORT [--mooncake-segment-bytes N] [--mooncake-local-hostname H]
 
 Clients speak the same protocol whatever the backing. SIGTERM finishes queued copies and
-flushes the disk write-behind queue before exiting 0.
+flushes the disk write-behind queue before exiting 0. The local backing publishes the keys it
+holds beside an ipc:// socket (``key_filter.py``), so its clients skip asking about pages it
+cannot hold; a Mooncake store publishes none (other nodes' puts land in it too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from kvlifecycle.gil import hand_over_gil_promptly
 from kvlifecycle.store.backing import BackingFactory, LocalConfig
 from kvlifecycle.store.copy_worker import CopyWorker
+from kvlifecycle.store.key_filter import key_filter_path, remove_stale_key_filter
 from kvlifecycle.store.pools import PoolRegistry
 from kvlifecycle.store.server import ServerConfig, StoreServer
 
@@ -58,7 +61,8 @@ def backing_factory(args: argparse.Namespace) -> BackingFactory:
         load_mooncake()  # fail at start (MooncakeUnavailable names why), not at the first register_pool
         return MooncakeConfig(master_address=args.mooncake_master, segment_bytes=args.mooncake_segment_bytes,
                               local_hostname=args.mooncake_local_hostname).factory()
-    return LocalConfig(dram_bytes=args.dram_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes).factory()
+    return LocalConfig(dram_bytes=args.dram_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+                       key_filter=key_filter_path(args.endpoint)).factory()
 
 
 def serve(args: argparse.Namespace, worker: CopyWorker, server_class: type[StoreServer] = StoreServer) -> int:
@@ -71,6 +75,7 @@ def serve(args: argparse.Namespace, worker: CopyWorker, server_class: type[Store
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"python -m kvlifecycle.store: {e}") from None
     hand_over_gil_promptly()  # the socket thread answers get_prefix while the copy thread runs Python
+    remove_stale_key_filter(args.endpoint)
     server = server_class(config, PoolRegistry(make_backing), worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

@@ -80,14 +80,22 @@ class HostStoreClient(abc.ABC):
         The caller reserves pages for every candidate before it knows how many the store holds,
         and recomputes the rest; the store answers both in one round trip."""
 
+    def may_hold(self, keys: Sequence[bytes]) -> int:
+        """How many of the page ``keys``, from the first, the store may hold, read without a
+        round trip: never fewer than it holds, so a page beyond the answer is not worth asking
+        for. This default, for a store that publishes nothing to read, says all of them."""
+        return len(keys)
+
     @abc.abstractmethod
     def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
         """Block until every task is done or ``timeout_s`` passed; unfinished ones are TIMEOUT
         (still in flight: wait again or cancel)."""
 
     @abc.abstractmethod
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
-        """Like ``wait`` without blocking: unfinished tasks are UNREADY."""
+    def try_wait(self, task_ids: Sequence[int], wait_s: float = 0.0) -> dict[int, Status]:
+        """Like ``wait``, but returns as soon as one task is done, or after ``wait_s`` (at once
+        by default): unfinished tasks are UNREADY. A caller with several copies in flight settles
+        each as it ends."""
 
     @abc.abstractmethod
     def cancel(self, task_ids: Sequence[int]) -> None:

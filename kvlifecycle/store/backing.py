@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvlifecycle.store.api import Status
+from kvlifecycle.store.key_filter import KeyFilterWriter
 from kvlifecycle.store.tiers import DiskTier, DramTier
 from kvlifecycle.store.transfer import PageCopier
 
@@ -79,6 +80,7 @@ class LocalConfig:
     dram_bytes: int = 2 << 30  # 2 GiB, hstu-serve's default too
     disk_dir: Path | None = None
     disk_bytes: int = 0  # 0: unbounded
+    key_filter: Path | None = None  # where to publish the held keys' filter (key_filter.py); None: nowhere
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -92,7 +94,9 @@ class LocalConfig:
 
 class LocalBacking(Backing):
     """Pages in a DRAM slab (LRU) and, when configured, written behind to disk. A get of a page
-    only on disk reads it and promotes it back into DRAM."""
+    only on disk reads it and promotes it back into DRAM. With ``config.key_filter`` it publishes
+    the keys it holds there (``key_filter.KeyFilterWriter``): each put's keys before the put is
+    done, every held key (DRAM and disk) at the start and at each rebuild."""
 
     def __init__(self, config: LocalConfig, page_shape: tuple[int, ...], dtype: torch.dtype,
                  pin_memory: bool) -> None:
@@ -100,8 +104,11 @@ class LocalBacking(Backing):
         self.disk = (DiskTier(config.disk_dir, page_shape, dtype, capacity_bytes=config.disk_bytes)
                      if config.disk_dir is not None else None)
         self._pin_memory = pin_memory
-        self._lock = threading.Lock()  # guards the DRAM index (the disk tier has its own lock)
+        self._lock = threading.Lock()  # guards the DRAM index and the key filter (the disk tier has its own lock)
         self._counters = collections.Counter[str]()
+        self.key_filter = KeyFilterWriter(config.key_filter) if config.key_filter is not None else None
+        if self.key_filter is not None:
+            self.key_filter.rebuild(self._held_keys())  # the disk tier's pages, after a restart
 
     def held_prefix(self, keys: list[bytes]) -> int:
         held = 0
@@ -129,6 +136,11 @@ class LocalBacking(Backing):
         fresh_keys = [keys[i] for i in fresh]
         with self._lock:
             self.dram.insert(fresh_keys, rows)
+            if self.key_filter is not None:
+                self.key_filter.add(fresh_keys)
+                if self.key_filter.rebuild_due():  # drop the keys evicted since the last one
+                    self.key_filter.rebuild(self._held_keys())
+                    self._counters["key_filter_rebuilds"] += 1
         self._counters["put_pages"] += len(fresh)
         self._counters["put_bytes"] += len(fresh) * self.dram.page_bytes
         if self.disk is not None and fresh:
@@ -170,6 +182,8 @@ class LocalBacking(Backing):
         return out
 
     def close(self) -> None:
+        if self.key_filter is not None:
+            self.key_filter.close()
         if self.disk is None:
             return
         if self.disk.close(timeout_s=_DISK_FLUSH_TIMEOUT_S):
@@ -178,6 +192,9 @@ class LocalBacking(Backing):
             logger.error("disk write-behind queue did not drain within %.0f s; pages lost", _DISK_FLUSH_TIMEOUT_S)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _held_keys(self) -> list[bytes]:
+        return self.dram.keys() + (self.disk.keys() if self.disk is not None else [])
 
     def _promote(self, keys: list[bytes], pages: torch.Tensor, keep: set[bytes]) -> None:
         """Put pages read from disk back into DRAM (they are hot)."""

@@ -10,6 +10,9 @@ Operations, in the order a task meets them:
    its pages after that deadline.
 3. ``poll(client, task_ids)``: each task's status; a done status is reported once, then the
    task is forgotten. An unknown task is FAILED (lost, e.g. the store restarted).
+   ``any_done(client, task_ids)`` says whether such a poll would report one; the worker calls
+   ``on_done()`` (from the copy thread) after each task ends, so the server's socket thread can
+   answer a poll that waits for one (``server.py``) without polling itself.
 4. ``cancel(client, task_ids)``: tasks not started yet end CANCELLED.
 5. ``forget_stale(now)``: drop done tasks nobody polled for ``DONE_TASK_TTL_S``.
 6. ``stop()``: run what is queued, then end the thread.
@@ -26,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -62,6 +65,7 @@ class CopyWorker:
     """See the module docstring. ``start()`` once, ``stop()`` once."""
 
     def __init__(self) -> None:
+        self.on_done: Callable[[], None] = lambda: None  # set by the server before start()
         self._lock = threading.Lock()  # guards _tasks and each task's status/started
         self._tasks: dict[tuple[str, int], CopyTask] = {}
         self._queue: queue.Queue[CopyTask | None] = queue.Queue()
@@ -100,6 +104,15 @@ class CopyWorker:
                     out[task_id] = Status.UNREADY
         return out
 
+    def any_done(self, client: str, task_ids: list[int]) -> bool:
+        """Whether ``poll(client, task_ids)`` would report at least one task done (or unknown)."""
+        with self._lock:
+            for task_id in task_ids:
+                task = self._tasks.get((client, task_id))
+                if task is None or task.status.done:
+                    return True
+        return False
+
     def cancel(self, client: str, task_ids: list[int]) -> None:
         with self._lock:
             for task_id in task_ids:
@@ -136,11 +149,14 @@ class CopyWorker:
             with self._lock:
                 if task.status is Status.CANCELLED:
                     continue
-                if time.monotonic() > task.start_by:
+                expired = time.monotonic() > task.start_by
+                if expired:
                     task.status, task.finished_at = Status.FAILED, time.monotonic()
                     self.counters["expired_tasks"] += 1
-                    continue
-                task.started = True
+                task.started = not expired
+            if expired:
+                self.on_done()
+                continue
             try:
                 status = self.copy(task)
             except Exception:
@@ -152,3 +168,4 @@ class CopyWorker:
                 task.status, task.finished_at = status, time.monotonic()
                 self.counters[outcome] += 1
                 task.pool.counters[outcome] += 1
+            self.on_done()

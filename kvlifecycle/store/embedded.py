@@ -38,6 +38,7 @@ import numpy as np
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
 from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, select_pages
+from kvlifecycle.store.key_filter import KeyFilterReader, key_filter_path
 from kvlifecycle.store.protocol import Op, pool_id
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["StoreProcessClient"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
+_EARLY_REPLY_S = 0.0005  # wait's pause after a poll answered early with nothing done
 
 
 class StoreProcessClient(HostStoreClient):
@@ -95,6 +97,10 @@ class StoreProcessClient(HostStoreClient):
         self._remote: dict[int, float] = {}           # submitted: task -> start_by
         self._counters = collections.Counter[str]()
         self._closed = False
+        # The store's published filter of held keys (never behind _lock: a waiting poll holds that)
+        filter_path = key_filter_path(endpoint)
+        self._key_filter = KeyFilterReader(filter_path) if filter_path is not None else None
+        self._key_filter_lock = threading.Lock()
 
     # -- public API ---------------------------------------------------------------------
 
@@ -147,24 +153,31 @@ class StoreProcessClient(HostStoreClient):
             self._counters["get_submitted"] += 1
         return task_id, held
 
+    def may_hold(self, keys: Sequence[bytes]) -> int:
+        """From the filter the store publishes beside its ipc:// socket (``key_filter.py``); all of
+        ``keys`` when it publishes none there (tcp://, a Mooncake or FlexKV store, not started)."""
+        if self._key_filter is None:
+            return len(keys)
+        with self._key_filter_lock:
+            return self._key_filter.may_hold(keys)
+
     def wait(self, task_ids: Sequence[int], timeout_s: float = DEFAULT_WAIT_TIMEOUT_S) -> dict[int, Status]:
         deadline = time.monotonic() + timeout_s
         out: dict[int, Status] = {}
         pending = list(task_ids)
-        pause = 0.0005
-        while True:
-            for task_id, status in self.try_wait(pending).items():
-                if status is not Status.UNREADY:
-                    out[task_id] = status
-            pending = [t for t in pending if t not in out]
-            if not pending or time.monotonic() >= deadline:
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.002)
+            done = {t: s for t, s in self.try_wait(pending, wait_s=left).items() if s.done}
+            if not done and time.monotonic() < deadline - _EARLY_REPLY_S:
+                time.sleep(_EARLY_REPLY_S)  # a server that answers polls at once (FlexKV's store)
+            out.update(done)
+            pending = [t for t in pending if t not in out]
         out.update({t: Status.TIMEOUT for t in pending})
         return {t: out[t] for t in task_ids}
 
-    def try_wait(self, task_ids: Sequence[int]) -> dict[int, Status]:
+    def try_wait(self, task_ids: Sequence[int], wait_s: float = 0.0) -> dict[int, Status]:
         out: dict[int, Status] = {}
         remote: list[int] = []
         with self._lock:
@@ -177,7 +190,11 @@ class StoreProcessClient(HostStoreClient):
                     raise ValueError(f"try_wait: unknown task {task_id} (never submitted, or already reaped)")
         if not remote:
             return out
-        reply = self._rpc({"op": Op.POLL.value, "tasks": remote})
+        if out or wait_s <= 0:  # one is done already: answer now
+            reply = self._rpc({"op": Op.POLL.value, "tasks": remote})
+        else:  # the server answers once one of them is done, or after wait_s
+            reply = self._rpc({"op": Op.POLL.value, "tasks": remote, "wait_s": wait_s},
+                              timeout_s=wait_s + self.rpc_timeout_s)
         now = time.monotonic()
         with self._lock:
             for task_id in remote:
@@ -222,6 +239,9 @@ class StoreProcessClient(HostStoreClient):
                 return
             self._closed = True
             self._client.close()
+        with self._key_filter_lock:
+            if self._key_filter is not None:
+                self._key_filter.close()
 
     # -- helpers ------------------------------------------------------------------------
 

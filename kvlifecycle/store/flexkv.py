@@ -57,6 +57,7 @@ import zmq
 
 from kvlifecycle.pool import PoolSpec
 from kvlifecycle.store.api import Status
+from kvlifecycle.store.key_filter import remove_stale_key_filter
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
 from kvlifecycle.store.protocol import Op, check_task_pages, pool_id
 
@@ -135,6 +136,7 @@ class FlexKVStoreServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         prepare_ipc_dir(self.endpoint)
+        remove_stale_key_filter(self.endpoint)  # FlexKV publishes no filter of held keys: clients ask
         sock.bind(self.endpoint)
         logger.info("flexkv store listening on %s (CPU tier %d bytes per pool)", self.endpoint, self.dram_bytes)
         try:

@@ -12,7 +12,10 @@ Requests (``op``; fields besides ``v``, ``seq``, ``client``):
   one asked)                                     -> {"pages": k, "copying": bool}: k is the held
                                                     prefix; the task copies the candidates below k
                                                     (no task when "copying" is false)
-- ``poll`` tasks                                 -> {"tasks": {"<id>": "<Status>"}} (done ones are forgotten)
+- ``poll`` tasks [, wait_s]                      -> {"tasks": {"<id>": "<Status>"}} (done ones are forgotten);
+                                                    with wait_s > 0 the reply waits until one task
+                                                    is done or wait_s passed (FlexKV's store
+                                                    answers at once)
 - ``cancel`` tasks                               -> {}
 
 ``pool`` names the device page pool the task copies to/from: ``pool_id(handle)`` of a handle

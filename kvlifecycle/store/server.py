@@ -6,6 +6,10 @@ module is the socket thread: it answers every RPC at once and never copies a pag
 - ``register_pool`` attaches a device page pool (``pools.PoolRegistry``);
 - ``put`` and ``get`` are checked and queued for the copy thread (``copy_worker.CopyWorker``),
   which copies between the task's pool and the backing; ``poll`` and ``cancel`` ask it;
+- a ``poll`` with ``wait_s`` is answered once one of its tasks is done, or when ``wait_s`` has
+  passed: the copy thread rings a pipe this thread polls beside the socket, so a client learns
+  that its copy ended one message after it did, with no polling on either side (a poll loop
+  with sleeps cost milliseconds per onboard);
 - ``get_prefix`` asks the pools' backing which prefix of pages it holds (``backing.Backing``)
   and queues a get of the candidates inside it;
 - once a second it detaches closed pools and forgets stale tasks.
@@ -23,6 +27,7 @@ backing flushes its disk write-behind queue).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -33,7 +38,7 @@ import numpy as np
 import zmq
 
 from kvlifecycle.hashing import page_keys
-from kvlifecycle.rpc import RpcError, RpcStatus, answer, prepare_ipc_dir
+from kvlifecycle.rpc import RpcError, RpcStatus, answer, decode, prepare_ipc_dir
 from kvlifecycle.store.copy_worker import CopyTask, CopyWorker
 from kvlifecycle.store.pools import AttachedPool, PoolRegistry
 from kvlifecycle.store.protocol import Op, check_task_pages
@@ -63,6 +68,7 @@ class StoreServer:
         self.worker = worker
         self._stop = threading.Event()
         self._counters: dict[str, int] = {}
+        self._waits = WaitingPolls()
         self._started_at = time.monotonic()
 
     # -- public API ---------------------------------------------------------------------
@@ -75,16 +81,27 @@ class StoreServer:
         if self.config.endpoint.startswith("ipc://"):
             prepare_ipc_dir(self.config.endpoint)
         sock.bind(self.config.endpoint)
+        done_read, done_write = os.pipe()
+        os.set_blocking(done_read, False)
+        os.set_blocking(done_write, False)
+        self.worker.on_done = lambda: _ring(done_write)
         self.worker.start()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(done_read, zmq.POLLIN)
         logger.info("host store listening on %s", self.config.endpoint)
         last_housekeeping = 0.0
         try:
             while not self._stop.is_set():
-                if sock.poll(100, zmq.POLLIN):
-                    reply, status = answer(sock.recv_multipart(), self._dispatch)
-                    if status is RpcStatus.BAD_REQUEST:
-                        self._count("bad_requests")
-                    sock.send_multipart(reply)
+                ready = dict(poller.poll(self._waits.poll_timeout_ms(time.monotonic())))
+                if done_read in ready:
+                    _drain(done_read)
+                if sock in ready:
+                    frames = sock.recv_multipart()
+                    if not self._waits.defer(frames, self.worker):
+                        self._reply(sock, frames)
+                for frames in self._waits.due(time.monotonic(), self.worker):
+                    self._reply(sock, frames)
                 now = time.monotonic()
                 if now - last_housekeeping > _HOUSEKEEPING_INTERVAL_S:
                     last_housekeeping = now
@@ -94,6 +111,8 @@ class StoreServer:
             sock.close(0)
             ctx.term()
             self.worker.stop()
+            os.close(done_read)
+            os.close(done_write)
             self.pools.close()
             logger.info("host store stopped")
 
@@ -112,6 +131,12 @@ class StoreServer:
         return out
 
     # -- RPC handling (socket thread) ---------------------------------------------------
+
+    def _reply(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        reply, status = answer(frames, self._dispatch)
+        if status is RpcStatus.BAD_REQUEST:
+            self._count("bad_requests")
+        sock.send_multipart(reply)
 
     def _dispatch(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """One request's reply body (``rpc.answer`` adds the status)."""
@@ -179,6 +204,61 @@ class StoreServer:
 
     def _count(self, name: str) -> None:
         self._counters[name] = self._counters.get(name, 0) + 1
+
+
+class WaitingPolls:
+    """Polls with ``wait_s`` whose tasks are all still in flight (socket thread only): each is
+    answered by ``due`` once the copy worker reports one of its tasks done, or at its deadline."""
+
+    MAX_WAIT_S = 60.0  # a client asking for longer is answered by then and polls again
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[list[bytes], str, list[int], float]] = []  # frames, client, tasks, deadline
+
+    def defer(self, frames: list[bytes], worker: CopyWorker) -> bool:
+        """True when ``frames`` is a poll to answer later; any other request, a malformed one (the
+        normal path refuses it) or a poll with a task already done is answered now."""
+        try:
+            header, _ = decode(frames[2:])
+            if header.get("op") != Op.POLL.value or not float(header.get("wait_s", 0)) > 0:
+                return False
+            client, tasks = str(header.get("client", "")), [int(t) for t in header["tasks"]]
+            wait_s = min(float(header["wait_s"]), self.MAX_WAIT_S)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return False
+        if not tasks or worker.any_done(client, tasks):
+            return False
+        self._waiting.append((frames, client, tasks, time.monotonic() + wait_s))
+        return True
+
+    def due(self, now: float, worker: CopyWorker) -> list[list[bytes]]:
+        """The waiting polls to answer now; the others keep waiting."""
+        due, waiting = [], []
+        for entry in self._waiting:
+            frames, client, tasks, deadline = entry
+            (due if now >= deadline or worker.any_done(client, tasks) else waiting).append(entry)
+        self._waiting = waiting
+        return [frames for frames, *_ in due]
+
+    def poll_timeout_ms(self, now: float) -> int:
+        """How long the socket thread may sleep: until the nearest deadline, at most 100 ms."""
+        nearest = min((deadline for *_, deadline in self._waiting), default=now + 0.1)
+        return max(0, min(100, math.ceil((nearest - now) * 1000)))
+
+
+def _ring(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:  # the pipe is full of rings the socket thread has yet to read
+        pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _check_task(task: CopyTask) -> None:

@@ -73,6 +73,9 @@ class DramTier:
     def holds(self, key: bytes) -> bool:
         return key in self._rows
 
+    def keys(self) -> list[bytes]:
+        return list(self._rows)
+
     def row(self, key: bytes) -> int | None:
         """The key's row, marking it most recently used; None when absent."""
         row = self._rows.get(key)
@@ -135,6 +138,11 @@ class DiskTier:
     def holds(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index or key in self._queued
+
+    def keys(self) -> list[bytes]:
+        """Every key held: on disk, or queued to be written."""
+        with self._lock:
+            return [*self._index, *self._queued]
 
     def __len__(self) -> int:
         with self._lock:

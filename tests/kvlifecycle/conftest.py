@@ -25,6 +25,7 @@ from kvlifecycle.control import ControlServer
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.rpc import default_endpoint
+from kvlifecycle.store.key_filter import key_filter_path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -78,9 +79,11 @@ def pool(tiny_spec: PoolSpec) -> Iterator[PagePool]:
 
 @pytest.fixture
 def endpoint() -> Iterator[str]:
-    """A fresh ipc endpoint for a store server; its socket and 0700 directory are removed after."""
+    """A fresh ipc endpoint for a store server; its socket, key filter (a killed store leaves it)
+    and 0700 directory are removed after."""
     ep = default_endpoint("store.sock")
     yield ep
     sock = Path(ep.removeprefix("ipc://"))
     sock.unlink(missing_ok=True)
+    key_filter_path(ep).unlink(missing_ok=True)
     sock.parent.rmdir()

@@ -66,11 +66,14 @@ class FakeStore:
         slots = tokens_as_int64(slot_mapping)[: (held - first_page) * S]
         return self.get_async(tokens, slots, namespace, copy), held
 
+    def may_hold(self, keys):  # publishes no filter: every key may be held
+        return len(keys)
+
     def wait(self, task_ids, timeout_s=1.0):
         self._maybe_raise("wait")
         return self.try_wait(task_ids)
 
-    def try_wait(self, task_ids):
+    def try_wait(self, task_ids, wait_s=0.0):  # answers at once, as FlexKV's store does
         out = {}
         for t in task_ids:
             status = self.tasks.get(t, "FAILED")

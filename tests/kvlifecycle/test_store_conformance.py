@@ -166,6 +166,20 @@ def test_try_wait_is_unready_then_success(make_store, pool):
         store.try_wait([put])  # a done status is reported once
 
 
+def test_a_waiting_poll_is_answered_when_the_copy_ends_not_at_its_deadline(make_store, pool):
+    """try_wait with wait_s: the store answers once the task is done (the copy thread rings the
+    socket thread), so a 30 s wait returns after about the copy's delay; a short one comes back
+    UNREADY at its deadline with the task still in flight."""
+    harness = make_store(copy_delay_s=COPY_DELAY_S)
+    store, ns = harness.client(), harness.ns
+    fill_random(pool, [1, 2], seed=9)
+    put = store.put_async(tokens(2, start=3000), slots([1, 2]), ns)
+    assert store.try_wait([put], wait_s=0.05) == {put: Status.UNREADY}
+    asked = time.monotonic()
+    assert store.try_wait([put], wait_s=30.0) == {put: Status.SUCCESS}
+    assert time.monotonic() - asked < 15.0, "answered at the deadline, not when the copy ended"
+
+
 def test_cancel_before_start(make_store, pool):
     """The store copies one task at a time in submission order, so a cancel that returned while
     the task ahead was still copying reached its task before it started."""
