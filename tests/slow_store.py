@@ -69,8 +69,8 @@ def slow_match_server(stall: Stall) -> type[StoreServer]:
     class SlowMatchStoreServer(StoreServer):
         """The store server, its socket thread stalled by `stall` before each match."""
 
-        def _match(self, *args):
-            return stall(lambda: super(SlowMatchStoreServer, self)._match(*args))
+        def _page_keys(self, *args):  # a get_prefix's match starts with its keys
+            return stall(lambda: super(SlowMatchStoreServer, self)._page_keys(*args))
 
     return SlowMatchStoreServer
 

@@ -56,6 +56,7 @@ class CopyTask:
     seq_pages: np.ndarray   # int64 [n]: page indices within the sequence
     pool_pages: np.ndarray  # int64 [n]: page ids in the pool, same order
     start_by: float         # CLOCK_MONOTONIC
+    page_keys: list[bytes] | None = None  # the keys of tokens' full pages, when already hashed (get_prefix)
     status: Status = Status.UNREADY
     started: bool = False
     finished_at: float = 0.0
@@ -133,7 +134,7 @@ class CopyWorker:
     def copy(self, task: CopyTask) -> Status:
         """One task's copy through its pool's backing (copy thread)."""
         backing = task.pool.backing
-        all_keys = page_keys(task.tokens, task.namespace, task.pool.pool.spec.page_size)
+        all_keys = task.page_keys or page_keys(task.tokens, task.namespace, task.pool.pool.spec.page_size)
         keys = [all_keys[i] for i in task.seq_pages]
         if task.op is Op.PUT:
             return backing.put(task.pool.copier, task.pool_pages, keys)

@@ -171,22 +171,23 @@ class StoreServer:
                         start_by=float(header["start_by"]))
         _check_task(task)
         if op is Op.GET_PREFIX:  # copy the candidates inside the held prefix, in the same round trip
-            held = self._match(pool.pool.spec.page_size, task.tokens, task.namespace)
+            keys = self._page_keys(pool.pool.spec.page_size, task.tokens, task.namespace)
+            held = self.pools.backing.held_prefix(keys)
             keep = task.seq_pages < held
             if not keep.any():
                 return {"pages": held, "copying": False}
-            self.worker.submit(replace(task, seq_pages=task.seq_pages[keep], pool_pages=task.pool_pages[keep]))
+            self.worker.submit(replace(task, seq_pages=task.seq_pages[keep], pool_pages=task.pool_pages[keep],
+                                       page_keys=keys))  # hashed once: the copy thread reuses them
             return {"pages": held, "copying": True}
         self.worker.submit(task)
         return {}
 
-    def _match(self, page_size: int, tokens: np.ndarray, namespace: str) -> int:
-        backing = self.pools.backing
-        if backing is None:
+    def _page_keys(self, page_size: int, tokens: np.ndarray, namespace: str) -> list[bytes]:
+        if self.pools.backing is None:
             raise RpcError(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
         if page_size != self.pools.page_size:
             raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {page_size}")
-        return backing.held_prefix(page_keys(tokens, namespace, page_size))
+        return page_keys(tokens, namespace, page_size)
 
     def _require_pool(self, named: Any, page_size: int) -> AttachedPool:
         """The pool a put/get copies to/from."""
