@@ -1,0 +1,162 @@
+"""Micro-benchmark of a host hit's onboard (not a test): how long a copy takes through each layer of
+the serving path, next to a pinned copy of the same bytes, for 2 to 512 pages per onboard.
+
+- `copy`: a plain `copy_` of the bytes from pinned host memory into the pool (the bus's share);
+- `store`: `get_prefix_async` then a waiting `try_wait` against the store process (what the owner's
+  settler sends);
+- `owner`: what a served host hit waits for: the owner's lookup, allocate and onboard start, the
+  wake, and hstu_compute's `onboard_wait` answered through the control plane (a `KVCacheManager`
+  and `ControlServer` in this process, as in kv_lookup_alloc).
+
+`owner - copy` is the onboard's fixed cost (issue goal: under 0.3 ms on the GPU).
+
+    .venv/bin/python -m deploy.bench.onboard [--device cuda] [--layers 3 --heads 4 --head-dim 128]
+        [--dtype bfloat16] [--repeats 20]
+
+Writes deploy/reports/onboard-<date>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deploy.bench.report import write_dated_report
+from kvlifecycle.control import ControlClient, ControlServer
+from kvlifecycle.gil import hand_over_gil_promptly
+from kvlifecycle.manager import KVCacheManager
+from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
+from kvlifecycle.rpc import default_endpoint
+from kvlifecycle.store import Status, open_store
+from kvlifecycle.store.processes import start_store_process
+
+REPORTS = Path(__file__).resolve().parents[1] / "reports"
+PAGES_PER_ONBOARD = (2, 8, 32, 128, 512)
+NS = "bench-onboard"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--page-size", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--report-dir", type=Path, default=REPORTS)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    hand_over_gil_promptly()  # as kv_lookup_alloc: the settler and control threads answer while others run
+
+    n_max = max(PAGES_PER_ONBOARD)
+    spec = PoolSpec(num_layers=a.layers, num_pages=4 * n_max, page_size=a.page_size, num_heads=a.heads,
+                    head_dim=a.head_dim, dtype=a.dtype, device=a.device)
+    pool = PagePool.create(spec)
+    endpoint, control_endpoint = default_endpoint("store.sock"), default_endpoint("control.sock")
+    proc = start_store_process(endpoint, dram_bytes=spec.page_bytes * n_max * (3 * a.repeats + 4),
+                               ready_timeout_s=60)
+    owner_store = open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0)
+    putter = open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0,
+                        pool_handle=pool.handle())
+    manager = KVCacheManager(spec, NS, store=owner_store)
+    control = ControlServer(manager, control_endpoint)
+    waiter = ControlClient(control_endpoint)
+    rows = []
+    try:
+        assert owner_store.register_pool(pool.handle()), f"the store did not take the pool; log {proc.log_path}"
+        histories = _Histories(putter, spec)
+        for n in PAGES_PER_ONBOARD:
+            copy_ms = _pinned_copy_ms(pool, n, a.repeats)
+            store_ms = _store_ms(owner_store, histories, n, a.repeats)
+            owner_ms = _owner_ms(manager, control, waiter, histories, n, a.repeats)
+            rows.append({"pages": n, "bytes": n * spec.page_bytes, "copy_ms": copy_ms, "store_ms": store_ms,
+                         "owner_ms": owner_ms, "fixed_ms": owner_ms - copy_ms})
+            print(f"{n:4d} pages ({n * spec.page_bytes / 2**20:7.2f} MiB): pinned copy {copy_ms:6.3f} ms | store "
+                  f"{store_ms:6.3f} ms | through the owner {owner_ms:6.3f} ms (fixed {owner_ms - copy_ms:6.3f} ms, "
+                  f"{copy_ms / owner_ms:.2f}x the copy's speed)")
+    finally:
+        waiter.close()
+        control.close()
+        putter.close()
+        owner_store.close()
+        proc.stop()
+        pool.close()
+    write_dated_report(a.report_dir, "onboard", a.device, {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": a.device, "host": platform.node(),
+        "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None, "torch": torch.__version__,
+        "spec": spec.to_dict(), "repeats": a.repeats, "results": rows,
+    })
+    return 0
+
+
+class _Histories:
+    """Distinct histories of n full pages, each offloaded to the store from the pool's first pages."""
+
+    def __init__(self, putter: Any, spec: PoolSpec) -> None:
+        self.putter, self.spec, self.made = putter, spec, 0
+
+    def stored(self, n: int) -> np.ndarray:
+        self.made += 1
+        tokens = np.arange(n * self.spec.page_size, dtype=np.int64) + 10_000_000 * self.made
+        task = self.putter.put_async(tokens, slots_for_pages(list(range(n)), self.spec.page_size).numpy(), NS)
+        assert self.putter.wait([task], timeout_s=30)[task] is Status.SUCCESS, "offloading a history failed"
+        return tokens
+
+
+def _median_ms(samples: list[float]) -> float:
+    return float(np.median(samples[1:])) * 1e3  # the first call warms caches up
+
+
+def _pinned_copy_ms(pool: PagePool, n: int, repeats: int) -> float:
+    dst = pool.tensor[:, 2 * n:3 * n]
+    host = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=dst.is_cuda)
+    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
+    samples = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(host, non_blocking=True)
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return _median_ms(samples)
+
+
+def _store_ms(store: Any, histories: _Histories, n: int, repeats: int) -> float:
+    samples = []
+    slots = slots_for_pages(list(range(2 * n, 3 * n)), histories.spec.page_size).numpy()
+    for _ in range(repeats + 1):
+        tokens = histories.stored(n)
+        t0 = time.perf_counter()
+        task, held = store.get_prefix_async(tokens, slots, NS, first_page=0)
+        assert task is not None and held == n, f"the store holds {held} of {n} pages"
+        status = store.try_wait([task], wait_s=30.0)[task]
+        samples.append(time.perf_counter() - t0)
+        assert status is Status.SUCCESS, status
+    return _median_ms(samples)
+
+
+def _owner_ms(manager: KVCacheManager, control: ControlServer, waiter: ControlClient, histories: _Histories,
+              n: int, repeats: int) -> float:
+    samples = []
+    for user in range(repeats + 1):
+        tokens = histories.stored(n)
+        t0 = time.perf_counter()
+        hit = manager.lookup(user, tokens)
+        [lease] = manager.onboard_start_many([manager.allocate(user, tokens, hit)])
+        control.wake()
+        [outcome] = waiter.onboard_wait([lease.lease_id], timeout_s=30.0)
+        samples.append(time.perf_counter() - t0)
+        assert outcome.cached_len == tokens.size, f"onboarded {outcome.cached_len} of {tokens.size} tokens"
+        manager.abort(lease.lease_id)
+    return _median_ms(samples)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
