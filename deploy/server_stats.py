@@ -113,7 +113,8 @@ class KVCacheStats:
     lookups: LookupStats | None  # the cache owners
     offloads: OffloadStats | None  # kv_offload
     store_errors: float | None  # None for hstu_compute, which never calls the store
-    stage_ms_mean: dict[str, float]  # KV stage -> mean ms per request, for the stages that ran
+    stage_ms_mean: dict[str, float]  # KV stage -> mean ms per request (compute_call: per call), for the stages that ran
+    requests_per_call: float | None = None  # hstu_compute: requests per compiled call (compute over compute_call)
 
 
 def read_model_stats(http_url: str) -> dict[str, ModelStats]:
@@ -197,6 +198,8 @@ def _model_cache_stats(before: Metrics, after: Metrics, model: str, page_bytes: 
         count = delta("hstu_kv_stage_seconds_count", stage=stage)
         if count:
             stage_ms[stage] = delta("hstu_kv_stage_seconds_sum", stage=stage) / count * 1e3
+    calls = delta("hstu_kv_stage_seconds_count", stage="compute_call") if "compute_call" in stage_ms else 0
+    per_call = delta("hstu_kv_stage_seconds_count", stage="compute") / calls if calls else None
     publishes_errors = bool(after.samples("hstu_kv_store_errors_total", model=model))
     store_errors = delta("hstu_kv_store_errors_total") if publishes_errors else None
-    return KVCacheStats(lookups, offloads, store_errors, stage_ms)
+    return KVCacheStats(lookups, offloads, store_errors, stage_ms, per_call)

@@ -245,7 +245,9 @@ def format_summary(report: BenchReport) -> str:
             lines.append(f"cache stats {model:<16} " + ", ".join(parts))
         if st.stage_ms_mean:
             stages = ", ".join(f"{stage} {ms:.2f}" for stage, ms in st.stage_ms_mean.items())
-            lines.append(f"stage time, mean ms per request, {model:<16} {stages}")
+            per_call = f" (compute_call: ms per call; {st.requests_per_call:.1f} requests per call)" \
+                if st.requests_per_call else ""
+            lines.append(f"stage time, mean ms per request, {model:<16} {stages}{per_call}")
     if report.scores is not None:
         c = report.scores
         lines.append(f"scores: {c.checked} timed requests checked against the float32 reference "

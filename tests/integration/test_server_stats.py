@@ -10,7 +10,8 @@ from deploy.server_stats import Duration, ModelStats, hop_stats, kv_cache_stats
 
 
 def scrape_text(lookups: dict[str, int], onboarded: int, offloaded_pages: int, reaps: int, reap_s: float,
-                lookup_stage_n: int, lookup_stage_s: float, uncommitted_prefix: int = 0) -> str:
+                lookup_stage_n: int, lookup_stage_s: float, uncommitted_prefix: int = 0,
+                compute_requests: int = 0, compute_calls: int = 0) -> str:
     lines = [f'hstu_kv_lookups_total{{model="{LOOKUP}",outcome="{o}"}} {n}' for o, n in lookups.items()]
     lines += [f'hstu_kv_uncommitted_prefix_lookups_total{{model="{LOOKUP}"}} {uncommitted_prefix}']
     lines += [f'hstu_kv_cached_tokens_total{{model="{LOOKUP}"}} 0',
@@ -19,8 +20,10 @@ def scrape_text(lookups: dict[str, int], onboarded: int, offloaded_pages: int, r
               f'hstu_kv_store_errors_total{{model="{LOOKUP}"}} 0',
               f'hstu_kv_stage_seconds_count{{model="{LOOKUP}",stage="lookup"}} {lookup_stage_n}',
               f'hstu_kv_stage_seconds_sum{{model="{LOOKUP}",stage="lookup"}} {lookup_stage_s}',
-              f'hstu_kv_stage_seconds_count{{model="{COMPUTE}",stage="compute"}} 0',
-              f'hstu_kv_stage_seconds_sum{{model="{COMPUTE}",stage="compute"}} 0',
+              f'hstu_kv_stage_seconds_count{{model="{COMPUTE}",stage="compute"}} {compute_requests}',
+              f'hstu_kv_stage_seconds_sum{{model="{COMPUTE}",stage="compute"}} {compute_requests * 0.004}',
+              f'hstu_kv_stage_seconds_count{{model="{COMPUTE}",stage="compute_call"}} {compute_calls}',
+              f'hstu_kv_stage_seconds_sum{{model="{COMPUTE}",stage="compute_call"}} {compute_calls * 0.002}',
               f'hstu_kv_offload_queue_depth{{model="{OFFLOAD}"}} 0',
               f'hstu_kv_offloaded_pages_total{{model="{OFFLOAD}"}} {offloaded_pages}',
               f'hstu_kv_offloaded_bytes_total{{model="{OFFLOAD}"}} {offloaded_pages * 100}',
@@ -48,6 +51,18 @@ def test_kv_cache_stats_are_the_deltas_per_model() -> None:
     assert offload.lookups is None and offload.offloads.offloaded_pages == 4
     assert offload.offloads.reap_latency_ms_mean == pytest.approx(200.0) and offload.store_errors == 0
     assert stats[COMPUTE].store_errors is None and stats[COMPUTE].stage_ms_mean == {}  # no request in between
+
+
+def test_hstu_compute_reports_its_requests_per_compiled_call() -> None:
+    """compute is counted per request, compute_call per compiled call: a batch split into several
+    calls (plan_sub_batches) shows as fewer requests per call."""
+    before = parse(scrape_text({"device_hit": 0, "host_hit": 0, "miss": 0}, 0, 0, 0, 0, 0, 0))
+    after = parse(scrape_text({"device_hit": 0, "host_hit": 0, "miss": 0}, 0, 0, 0, 0, 0, 0,
+                              compute_requests=12, compute_calls=4))
+
+    compute = kv_cache_stats(before, after, 0)[COMPUTE]
+    assert compute.requests_per_call == pytest.approx(3.0)
+    assert compute.stage_ms_mean == {"compute": pytest.approx(4.0), "compute_call": pytest.approx(2.0)}
 
 
 def test_a_single_request_has_one_outcome() -> None:

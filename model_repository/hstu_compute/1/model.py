@@ -85,7 +85,8 @@ class TritonPythonModel:
         # The owner settles a copy within its onboard wait; the reply may take one control timeout more.
         self.onboard_wait_timeout_s = self.settings.timeouts.onboard_wait_s + self.settings.timeouts.control_s
         self.stages = StageTimer()
-        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], stage_keys("onboard", "compute"),
+        self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
+                                 stage_keys("onboard", "compute", "compute_call"),
                                  source=self.stages.stats)
         self._forwards: queue.Queue = queue.Queue()  # (ComputeRequests, Event set when answered), then STOP
         self._forward_thread = threading.Thread(target=self._run_forwards, name="hstu-compute-forwards", daemon=True)
@@ -178,7 +179,9 @@ class TritonPythonModel:
                     p.answer(self._score_alone(pool, p.plan))
                 continue
             # each request of the sub-batch spent the whole call in compute
-            self.stages.add("compute", time.perf_counter() - started, len(members))
+            seconds = time.perf_counter() - started
+            self.stages.add("compute", seconds, len(members))
+            self.stages.add("compute_call", seconds)
             for p, s in zip(members, scores):
                 p.answer(self._response(s))
 
