@@ -21,13 +21,14 @@ never one exception for the batch)::
 
 Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` marks
 each lease with onboard pages ``onboarding`` and returns at once, without asking the store.
-``poll_onboards`` (the control plane's thread calls it while any is in flight) asks the store
-for each new one (``get_prefix_async``: one round trip) and settles each one when its copy
-ends, or as a timeout ``onboard_wait_s`` after its start; ``onboard_result`` says whether a
-lease's onboard is settled, and how (the consumer of its pages asks before it reads them)::
+``poll_onboards`` (the owner's onboard settler thread calls it while any is in flight,
+``housekeeping.py``) asks the store for each new one (``get_prefix_async``: one round trip) and
+settles each one when its copy ends (a store poll that returns when one does), or as a timeout
+``onboard_wait_s`` after its start; ``onboard_result`` says whether a lease's onboard is settled,
+and how (the consumer of its pages asks before it reads them)::
 
     leases = mgr.onboard_start_many(leases)   # in flight: lease.onboarding; others settled now
-    mgr.poll_onboards()                       # repeatedly, until onboards_in_flight() == 0
+    mgr.poll_onboards(wait_s=0.02)            # repeatedly, until onboards_in_flight() == 0
     lease  = mgr.onboard_result(lease_id)     # None while in flight; Lease, or LeaseGone
 
 The request's namespace, page keys and token ids are fixed once, by ``lookup``: the
