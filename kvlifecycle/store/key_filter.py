@@ -15,10 +15,10 @@ disk tier's pages count after a restart. Its errors are one-sided:
   about 1 in 20,000): the owner asks, as before.
 
 So skipping the store on a "no" never loses a host hit the store could serve. Who wrote the page
-does not matter: every server on the host that shares the store (``hstu-cluster``, a ranking and
-a monolithic model) reads the same file. A client that cannot read one (a store reached over
-tcp://, a Mooncake or FlexKV store, which publish none, or a store not started yet) asks the
-store about every candidate, as before. A restarted store writes a new file; clients notice the
+does not matter: every process that uses the store (the ranking and monolithic models, several
+servers on one host) reads the same file. A client that cannot read one asks the store about
+every candidate, as before: a store reached over tcp://, a store not started yet, FlexKV's, and
+a Mooncake store (``hstu-cluster``), whose pages other servers' stores put too. A restarted store writes a new file; clients notice the
 new file within ``RECHECK_S`` (until then they read the old one, which can only cost a round
 trip or a recompute, never a wrong page).
 
