@@ -1,6 +1,7 @@
 """The store's published filter of held keys (kvlifecycle/store/key_filter.py): what it says, that
 a real store process keeps it right through puts, a restart with the disk tier and a stop, and that
-the owner asks the store nothing about a history the filter rules out."""
+the owner asks the store nothing about a history the filter rules out; a Mooncake store publishes
+none."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,9 @@ from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status
 from kvlifecycle.store import key_filter
 from kvlifecycle.store.key_filter import KeyFilterReader, KeyFilterWriter, key_filter_path
+from kvlifecycle.store.processes import start_store_process
 
-from .store_harness import SPEC, EmbeddedHarness, fill_random, slots, tokens
+from .store_harness import SPEC, EmbeddedHarness, MooncakeHarness, fill_random, mooncake_skip_reason, slots, tokens
 
 
 @pytest.fixture(scope="module")
@@ -120,5 +122,29 @@ def test_the_owner_does_not_ask_the_store_about_a_history_it_cannot_hold(pool, r
         hit = mgr.lookup(2, seq)
         assert hit.host_unconfirmed and hit.host_tokens == 3 * SPEC.page_size
         assert mgr.stats()["host_filtered_lookups"] == 1
+    finally:
+        harness.close()
+
+
+@pytest.mark.skipif(mooncake_skip_reason() is not None, reason=str(mooncake_skip_reason()))
+def test_a_mooncake_store_publishes_no_filter_and_every_candidate_is_asked(pool, recheck_at_once):
+    """hstu-cluster's tier: other servers' stores put pages into the same Mooncake, so this store
+    cannot know what it holds without asking; it publishes nothing, and a stale file left at its
+    endpoint by a killed local store is removed at its start."""
+    harness = MooncakeHarness(pool, dedicated=True)
+    try:
+        store = harness.client()
+        assert store.register_pool(pool.handle())
+        seq = tokens(3, start=1)
+        put = store.put_async(seq, slots([1, 2, 3]), harness.ns)
+        assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
+        assert not key_filter_path(harness.endpoint).exists()
+        assert store.may_hold(keys_of(tokens(3, start=7000), harness.ns)) == 3, "unknown to the store: still asked"
+        stale = KeyFilterWriter(key_filter_path(harness.endpoint), slots=1 << 16)  # as a killed local store leaves it
+        harness.proc.stop()
+        harness.proc = start_store_process(harness.endpoint, extra_args=[
+            "--backing", "mooncake", "--mooncake-master", harness.master.address, "--mooncake-segment-bytes",
+            str(16 << 20)])
+        assert not key_filter_path(harness.endpoint).exists(), "the stale filter outlived the store's start"
     finally:
         harness.close()
