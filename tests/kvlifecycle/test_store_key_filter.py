@@ -140,7 +140,7 @@ def test_a_mooncake_store_publishes_no_filter_and_every_candidate_is_asked(pool,
         assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
         assert not key_filter_path(harness.endpoint).exists()
         assert store.may_hold(keys_of(tokens(3, start=7000), harness.ns)) == 3, "unknown to the store: still asked"
-        stale = KeyFilterWriter(key_filter_path(harness.endpoint), slots=1 << 16)  # as a killed local store leaves it
+        KeyFilterWriter(key_filter_path(harness.endpoint), slots=1 << 16)  # a file as a killed local store leaves it
         harness.proc.stop()
         harness.proc = start_store_process(harness.endpoint, extra_args=[
             "--backing", "mooncake", "--mooncake-master", harness.master.address, "--mooncake-segment-bytes",
