@@ -30,6 +30,8 @@ HELP: dict[str, str] = {
     "pool_pages": "device page pool size, in pages (per server)",
     "lease_ttl_s": "seconds before a lease not committed returns its pages",
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
+    "min_host_pages": ("the fewest pages past the device prefix worth onboarding from the host store; a "
+                       "request with fewer recomputes them (README: when a host hit pays)"),
     "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
                                "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",

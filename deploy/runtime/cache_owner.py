@@ -75,6 +75,6 @@ def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVC
         logger.warning("host store at %s not reachable; serving from the device cache, registering on reconnect",
                        settings.store_socket)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
-                             onboard_wait_s=settings.timeouts.onboard_wait_s,
+                             onboard_wait_s=settings.timeouts.onboard_wait_s, min_host_pages=settings.min_host_pages,
                              pool_wait_s=max(1.0, 2 * settings.store_timeout_s))
     return OwnedKVCache(pool, handle, manager, store)

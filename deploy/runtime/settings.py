@@ -15,6 +15,7 @@ from pathlib import Path
 
 from compute.config import CONFIG_FILENAME, DEFAULT_MODEL_DIR
 from kvlifecycle.leases import LEASE_TTL_S
+from kvlifecycle.manager import MIN_HOST_PAGES
 from kvlifecycle.rpc import TIMEOUTS, Timeouts, split_host_port
 from kvlifecycle.store import STORE_KINDS  # the one list of host store backends (open_store's)
 
@@ -57,6 +58,10 @@ class ServingSettings:
     pool_pages: int = 4096  # pages of the ensemble's device pool (and of the monolithic's own)
     lease_ttl_s: float = LEASE_TTL_S  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
+    # The fewest pages past the device prefix worth onboarding from the host store; a request with
+    # fewer recomputes them. Where a host hit costs what a miss does (README, "When a host hit
+    # pays"), raise it to recompute histories up to that length.
+    min_host_pages: int = MIN_HOST_PAGES
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
     # memory nodes hold every object, so stopping a server loses nothing), and the address other
@@ -73,6 +78,8 @@ class ServingSettings:
             raise ValueError(f"HSTU_STORE={self.store!r}: expected one of {STORE_KINDS}")
         if self.pool_pages < 2:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
+        if self.min_host_pages < 1:
+            raise ValueError(f"HSTU_MIN_HOST_PAGES={self.min_host_pages}: expected >= 1 page")
         for name in ("lease_ttl_s", "store_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HSTU_{name.upper()}={getattr(self, name)}: expected > 0 seconds")

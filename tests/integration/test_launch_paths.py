@@ -221,6 +221,23 @@ def test_default_settings_agree_on_a_private_run_dir_and_no_store(tmp_path: Path
     assert stat.S_IMODE(os.lstat(a.run_dir).st_mode) == 0o700
 
 
+def test_min_host_pages_reaches_the_cache_owner_and_a_bad_one_names_its_variable(tmp_path: Path) -> None:
+    """--min-host-pages (HSTU_MIN_HOST_PAGES): below it the owner recomputes instead of onboarding."""
+    from compute import HSTUConfig
+    from deploy.runtime.cache_owner import open_kv_cache
+    from deploy.runtime.settings import ServingSettings
+
+    settings = ServingSettings.from_env({"XDG_RUNTIME_DIR": str(tmp_path), "HSTU_MIN_HOST_PAGES": "9",
+                                         "HSTU_POOL_PAGES": "16"})
+    cache = open_kv_cache(HSTUConfig.load(DEFAULT_MODEL_DIR), settings, namespace="ns")
+    try:
+        assert cache.manager.min_host_pages == 9
+    finally:
+        cache.close()
+    with pytest.raises(ValueError, match="HSTU_MIN_HOST_PAGES=0"):
+        ServingSettings(min_host_pages=0)
+
+
 def test_the_shipped_compute_version_serves_the_model_the_server_was_given(tmp_path: Path) -> None:
     """`hstu_compute/1/` holds the default model; a server given another (HSTU_MODEL_DIR, as
     `--model-config` sets it) must serve that one, and a rollout's version folder its own."""
