@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in a.stores:
             proc, store = _open(kind, pool, dram_bytes)
             try:
+                _warm_up(store, spec)
                 for n in PAGES_PER_CALL:
                     rows.append({"store": kind, **_measure(store, pool, spec, n, calls)})
                     print(_format(rows[-1]))
@@ -99,6 +100,17 @@ def _open(kind: str, pool: PagePool, dram_bytes: int) -> tuple[StoreProcess, Any
         raise RuntimeError(f"{kind} store did not take the pool; log {proc.log_path}:\n"
                            f"{proc.log_path.read_text()[-3000:]}")
     return proc, store
+
+
+def _warm_up(store: Any, spec: PoolSpec) -> None:
+    """One put and one get, not timed: the store's first copies pay one-time costs (on a GPU, its
+    first kernels and stream), which a mean over a few calls of the first size would carry."""
+    seq = np.arange(spec.page_size, dtype=np.int64) + 999_000_000
+    put = store.put_async(seq, slots_for_pages([0], spec.page_size).numpy(), "bench-warm-up")
+    if store.wait([put], timeout_s=60)[put] is Status.SUCCESS:
+        get = store.get_async(seq, slots_for_pages([1], spec.page_size).numpy(), "bench-warm-up",
+                              np.ones(spec.page_size, dtype=bool))
+        store.wait([get], timeout_s=60)
 
 
 def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> dict[str, Any]:
