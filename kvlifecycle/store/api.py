@@ -94,8 +94,8 @@ class HostStoreClient(abc.ABC):
     @abc.abstractmethod
     def try_wait(self, task_ids: Sequence[int], wait_s: float = 0.0) -> dict[int, Status]:
         """Like ``wait``, but returns as soon as one task is done, or after ``wait_s`` (at once
-        by default): unfinished tasks are UNREADY. A caller with several copies in flight settles
-        each as it ends."""
+        by default; a backend may return earlier): unfinished tasks are UNREADY. A caller with
+        several copies in flight settles each as it ends."""
 
     @abc.abstractmethod
     def cancel(self, task_ids: Sequence[int]) -> None:

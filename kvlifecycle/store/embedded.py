@@ -47,6 +47,9 @@ __all__ = ["StoreProcessClient"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
 _EARLY_REPLY_S = 0.0005  # wait's pause after a poll answered early with nothing done
+# The longest one waiting poll may ask the server to hold it: a store that dies meanwhile holds the
+# caller this long plus one RPC timeout, then the client fails open as for any unanswered RPC.
+_MAX_POLL_WAIT_S = 1.0
 
 
 class StoreProcessClient(HostStoreClient):
@@ -193,6 +196,7 @@ class StoreProcessClient(HostStoreClient):
         if out or wait_s <= 0:  # one is done already: answer now
             reply = self._rpc({"op": Op.POLL.value, "tasks": remote})
         else:  # the server answers once one of them is done, or after wait_s
+            wait_s = min(wait_s, _MAX_POLL_WAIT_S)
             reply = self._rpc({"op": Op.POLL.value, "tasks": remote, "wait_s": wait_s},
                               timeout_s=wait_s + self.rpc_timeout_s)
         now = time.monotonic()

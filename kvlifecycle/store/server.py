@@ -108,6 +108,8 @@ class StoreServer:
                     self.pools.detach_closed()
                     self.worker.forget_stale(now)
         finally:
+            for frames in self._waits.due(math.inf, self.worker):  # stopping: each gets what is done now
+                self._reply(sock, frames)
             sock.close(0)
             ctx.term()
             self.worker.stop()

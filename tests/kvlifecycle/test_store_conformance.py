@@ -180,6 +180,20 @@ def test_a_waiting_poll_is_answered_when_the_copy_ends_not_at_its_deadline(make_
     assert time.monotonic() - asked < 15.0, "answered at the deadline, not when the copy ended"
 
 
+def test_a_wait_on_a_store_that_dies_mid_copy_fails_the_task_instead_of_holding_the_caller(make_store, pool):
+    """The waiting poll is held by the server; when the server dies with it, the caller is held one
+    capped poll plus an RPC timeout, then fails open: the task is FAILED once its start_by (plus a
+    grace) passed, long before the caller's 30 s."""
+    harness = make_store(copy_delay_s=COPY_DELAY_S, dedicated=True)
+    store, ns = harness.client(task_start_timeout_s=1.0), harness.ns
+    fill_random(pool, [1, 2], seed=10)
+    put = store.put_async(tokens(2, start=4000), slots([1, 2]), ns)
+    harness.kill()
+    asked = time.monotonic()
+    assert store.wait([put], timeout_s=30.0) == {put: Status.FAILED}
+    assert time.monotonic() - asked < 15.0, "the wait outlived the store by far"
+
+
 def test_cancel_before_start(make_store, pool):
     """The store copies one task at a time in submission order, so a cancel that returned while
     the task ahead was still copying reached its task before it started."""
