@@ -191,7 +191,8 @@ class _EarlyStart:
         if cls.server is None:
             return
         cls.release.set()
-        cls.thread.join()
+        if cls.thread is not None:  # None when the session stopped during begin()'s model build
+            cls.thread.join()
         cls.server.stop()  # idempotent; also stops what a test restarted from the main thread
         # The soak leaves ~1 GB in the disk tier; the logs (run dir) stay for a post-mortem.
         shutil.rmtree(cls.server.config.store_disk_dir, ignore_errors=True)
