@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = PoolSpec(num_layers=a.layers, num_pages=4 * n_max, page_size=a.page_size, num_heads=a.heads,
                     head_dim=a.head_dim, dtype=a.dtype, device=a.device)
     pool = PagePool.create(spec)
+    # Touch every page: a CPU pool's shared memory is faulted in at its first write, which the owner
+    # path (fresh pages for each lease) would pay and the store path (the same pages) would not.
+    pool.tensor.zero_()
     endpoint, control_endpoint = default_endpoint("store.sock"), default_endpoint("control.sock")
     proc = start_store_process(endpoint, dram_bytes=spec.page_bytes * n_max * (3 * a.repeats + 4),
                                ready_timeout_s=60)
