@@ -17,11 +17,12 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 - ``stats() -> dict`` and ``ping()``.
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
-between requests expires leases every ``expire_interval_s``. Onboards are settled on a second
-thread (``housekeeping.OnboardSettler``), which the owner wakes with ``wake()`` after starting
-onboards and which wakes this one when it settled some; the server then answers each
-``onboard_wait`` whose leases are all settled (the manager settles a late copy as a timeout, so
-every wait is answered within the store timeout of its launch). Messages are ``kvlifecycle.rpc``
+does nothing else. The owner's housekeeping runs on a second thread
+(``housekeeping.OwnerHousekeeping``: settling onboards, expiring leases every
+``expire_interval_s``), which the owner wakes with ``wake()`` after starting onboards and which
+wakes this one when it settled some; the server then answers each ``onboard_wait`` whose leases
+are all settled (the manager settles a late copy as a timeout, so every wait is answered within
+the store timeout of its launch). Messages are ``kvlifecycle.rpc``
 frames (JSON header, never pickle)::
 
     request: {"op": "commit_many"|"offload_done"|"abort"|"onboard_wait"|"stats"|"ping",
@@ -38,14 +39,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import zmq
 
-from kvlifecycle.housekeeping import LeaseExpiry, OnboardSettler
+from kvlifecycle.housekeeping import OwnerHousekeeping
 from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed
@@ -96,7 +96,6 @@ class ControlServer:
         self.manager = manager
         self.endpoint = endpoint
         self.expire_interval_s = expire_interval_s
-        self._expiry = LeaseExpiry(manager, expire_interval_s)  # used by the control thread only
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
@@ -112,13 +111,13 @@ class ControlServer:
             self._thread.join()
             self._ctx.term()
             raise self._bind_error
-        self._settler = OnboardSettler(manager, on_settled=self._settled)
+        self._housekeeping = OwnerHousekeeping(manager, on_settled=self._settled, expire_interval_s=expire_interval_s)
 
     # -- public API ---------------------------------------------------------------------
 
     def wake(self) -> None:
-        """The owner just started onboards: the settler asks the store about them now."""
-        self._settler.wake()
+        """The owner just started onboards: the housekeeping thread asks the store about them."""
+        self._housekeeping.wake()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop both threads (woken, so at once) and remove the socket file; idempotent."""
@@ -127,7 +126,7 @@ class ControlServer:
                 return
             self._stop.set()
             self._poke()
-        self._settler.close(timeout_s)
+        self._housekeeping.close(timeout_s)
         self._thread.join(timeout_s)
         with self._waker_lock:
             self._waker.close()
@@ -142,7 +141,7 @@ class ControlServer:
     # -- helpers ------------------------------------------------------------------------
 
     def _settled(self) -> None:
-        """The settler settled onboards: the control thread answers the waits they complete."""
+        """Onboards were settled: the control thread answers the waits they complete."""
         with self._waker_lock:
             if not self._stop.is_set():
                 self._poke()
@@ -178,7 +177,7 @@ class ControlServer:
         poller.register(wake, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(self._expiry.wait_ms(time.monotonic())))
+                ready = dict(poller.poll())
                 if wake in ready:
                     while wake.poll(0):
                         wake.recv()
@@ -191,7 +190,6 @@ class ControlServer:
                         self._onboard_waits.append((frames, waited))
                 if self._onboard_waits:
                     self._answer_settled_waits(sock)
-                self._expiry.expire_if_due(time.monotonic())
         finally:
             sock.close()
             wake.close()

@@ -21,7 +21,7 @@ never one exception for the batch)::
 
 Onboarding off the caller's critical path (the ensemble's owner): ``onboard_start_many`` marks
 each lease with onboard pages ``onboarding`` and returns at once, without asking the store.
-``poll_onboards`` (the owner's onboard settler thread calls it while any is in flight,
+``poll_onboards`` (the owner's housekeeping thread calls it while any is in flight,
 ``housekeeping.py``) asks the store for each new one (``get_prefix_async``: one round trip) and
 settles each one when its copy ends (a store poll that returns when one does), or as a timeout
 ``onboard_wait_s`` after its start; ``onboard_result`` says whether a lease's onboard is settled,

@@ -3,7 +3,7 @@ the serving path, next to a pinned copy of the same bytes, for 2 to 512 pages pe
 
 - `copy`: a plain `copy_` of the bytes from pinned host memory into the pool (the bus's share);
 - `store`: `get_prefix_async` then a waiting `try_wait` against the store process (what the owner's
-  settler sends);
+  housekeeping thread sends);
 - `owner`: what a served host hit waits for: the owner's lookup, allocate and onboard start, the
   wake, and hstu_compute's `onboard_wait` answered through the control plane (a `KVCacheManager`
   and `ControlServer` in this process, as in kv_lookup_alloc).
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-dir", type=Path, default=REPORTS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    hand_over_gil_promptly()  # as kv_lookup_alloc: the settler and control threads answer while others run
+    hand_over_gil_promptly()  # as kv_lookup_alloc: the housekeeping and control threads answer while others run
 
     n_max = max(PAGES_PER_ONBOARD)
     spec = PoolSpec(num_layers=a.layers, num_pages=4 * n_max, page_size=a.page_size, num_heads=a.heads,

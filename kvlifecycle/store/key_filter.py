@@ -7,8 +7,9 @@ store now publishes which keys it may hold, and the owner reads it before it ask
 The filter is a Bloom filter in a file beside the store's socket (``<socket>.keys``), mapped by
 the store process (the one writer) and by every client on the host (readers). It answers "may
 hold" for every key the store holds: a key is added before the put that stored it is reported
-done, and the file is rebuilt from the held keys (DRAM and disk) at the store's start, so the
-disk tier's pages count after a restart. Its errors are one-sided:
+done, and the file is built from the held keys (DRAM and disk) when the store makes its backing
+(its first ``register_pool``), so the disk tier's pages count after a restart. Before that there
+is no file, and clients ask. Its errors are one-sided:
 
 - a key evicted since is still "may hold" until the next rebuild: the owner asks, as before;
 - a key never stored reads "may hold" with the filter's false-positive rate (at 100,000 keys,
@@ -82,12 +83,16 @@ class KeyFilterWriter:
         self.probes = probes
         self.added_since_rebuild = 0
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.truncate(_HEADER_BYTES + 2 * slots)
-            f.write(_HEADER.pack(_MAGIC, slots, probes, 0))
-        with open(tmp, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), 0)
-        os.replace(tmp, path)  # readers see a whole file or the previous one
+        try:
+            with open(tmp, "w+b") as f:
+                f.truncate(_HEADER_BYTES + 2 * slots)
+                f.write(_HEADER.pack(_MAGIC, slots, probes, 0))
+                self._map = mmap.mmap(f.fileno(), 0)
+                self._inode = (os.fstat(f.fileno()).st_dev, os.fstat(f.fileno()).st_ino)
+            os.replace(tmp, path)  # readers see a whole file or the previous one
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self._buffers = [np.frombuffer(self._map, dtype=np.uint8, count=slots, offset=_HEADER_BYTES + i * slots)
                          for i in range(2)]
         self._active = 0
@@ -115,10 +120,14 @@ class KeyFilterWriter:
         return self.added_since_rebuild > self.slots // 8
 
     def close(self) -> None:
+        """Unmap, and remove the file if it is still this writer's (a newer writer, another backing
+        or a restarted store, may have replaced it)."""
         self._buffers.clear()
         self._map.close()
         try:
-            self.path.unlink()
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                self.path.unlink()
         except FileNotFoundError:
             pass
 

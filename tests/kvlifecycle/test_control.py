@@ -123,9 +123,9 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
         store.get_status = "UNREADY"
         [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
         assert lease.onboarding and lease.cached_len == 8
-        owner.server.wake()  # as kv_lookup_alloc does: the settler asks the store; the copy stays in flight
+        owner.server.wake()  # as kv_lookup_alloc does: the housekeeping thread asks the store; the copy stays in flight
         task = wait_for(lambda: next((t for t, status in list(store.tasks.items()) if status == "UNREADY"), None),
-                        5.0, "the settler to launch the onboard", interval_s=0.005)
+                        5.0, "the housekeeping thread to launch the onboard", interval_s=0.005)
 
         outcome = []
         with ControlClient(owner.endpoint) as waiter, ControlClient(owner.endpoint) as client:
@@ -140,12 +140,11 @@ def test_onboard_wait_is_answered_when_the_copy_ends_and_blocks_no_other_request
         assert mgr.onboards_in_flight() == 0
 
 
-def test_wake_has_the_idle_settler_ask_the_store_at_once():
-    """kv_lookup_alloc starts an onboard and wakes the settler thread: the store is asked and the
-    copy settled on the wake. The idle settler waits for nothing else (and the control thread's
-    expiry timeout is 30 minutes here), so the thread is seen idle (it found no onboard in
-    flight), the store is still asked nothing after the start, and the onboard settles once
-    woken."""
+def test_wake_has_the_idle_housekeeping_thread_ask_the_store_at_once():
+    """kv_lookup_alloc starts an onboard and wakes the housekeeping thread: the store is asked and
+    the copy settled on the wake. Idle, the thread waits for a wake or its next lease expiry, 30
+    minutes away here (expire_interval_s=3600), so it is seen idle (it found no onboard in flight),
+    the store is still asked nothing after the start, and the onboard settles once woken."""
     pool = torch.zeros(2, 8, 2, 4, 1, 2)
     store = FakeStore(pool, SPEC.page_size)  # FAKE host store: copies when asked
     mgr = KVCacheManager(SPEC, "ns", store)
@@ -154,12 +153,12 @@ def test_wake_has_the_idle_settler_ask_the_store_at_once():
     for key, page in zip(first.keys, first.page_row):  # the host store holds both pages
         store.pages[key] = pool[:, page].clone()
     mgr.abort(first.lease_id)
-    idle = threading.Event()  # the settler found no onboard in flight: it waits for a wake
+    idle = threading.Event()  # the housekeeping thread found no onboard in flight: it waits for a wake
     in_flight = mgr.onboards_in_flight
 
     def onboards_in_flight() -> int:
         n = in_flight()
-        if n == 0 and threading.current_thread().name == "kvlifecycle-onboards":
+        if n == 0 and threading.current_thread().name == "kvlifecycle-housekeeping":
             idle.set()
         return n
 
@@ -168,7 +167,7 @@ def test_wake_has_the_idle_settler_ask_the_store_at_once():
     get_async = store.get_async
     store.get_async = lambda *args: asked.append(threading.current_thread().name) or get_async(*args)
     with ControlServer(mgr, default_endpoint("control.sock"), expire_interval_s=3600.0) as server:
-        assert idle.wait(10), "the settler never looked for onboards"
+        assert idle.wait(10), "the housekeeping thread never looked for onboards"
         [lease] = mgr.onboard_start_many([mgr.allocate(1, tokens, mgr.lookup(1, tokens))])
         assert lease.onboarding and not asked, "the start asks the store nothing"
         time.sleep(0.2)
@@ -176,7 +175,7 @@ def test_wake_has_the_idle_settler_ask_the_store_at_once():
         server.wake()
         done = wait_for(lambda: mgr.onboard_result(lease.lease_id), 10, "the woken thread to settle the onboard",
                         interval_s=0.001)
-        assert asked == ["kvlifecycle-onboards"], asked  # the woken settler asked the store, once
+        assert asked == ["kvlifecycle-housekeeping"], asked  # the woken thread asked the store, once
         assert done.onboarded and done.cached_len == 8
 
 

@@ -148,3 +148,17 @@ def test_a_mooncake_store_publishes_no_filter_and_every_candidate_is_asked(pool,
         assert not key_filter_path(harness.endpoint).exists(), "the stale filter outlived the store's start"
     finally:
         harness.close()
+
+
+def test_a_writer_closing_leaves_a_newer_writers_file(tmp_path, recheck_at_once):
+    """A restarted store (or a new backing) replaced the file: the old writer's close must not
+    remove it, or every client would ask the store about everything until the next restart."""
+    path = tmp_path / "store.sock.keys"
+    keys = keys_of(tokens(2), "ns")
+    old = KeyFilterWriter(path, slots=1 << 16)
+    new = KeyFilterWriter(path, slots=1 << 16)
+    new.add(keys)
+    old.close()
+    assert path.exists() and KeyFilterReader(path).may_hold(keys) == 2
+    new.close()
+    assert not path.exists()
