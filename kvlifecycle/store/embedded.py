@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["StoreProcessClient"]
 
 _GRACE_S = 1.0  # after start_by, for a copy that had just started
-_EARLY_REPLY_S = 0.0005  # wait's pause after a poll answered early with nothing done
+_EARLY_REPLY_S = 0.0005  # wait's first pause after a poll answered early with nothing done
+_MAX_EARLY_REPLY_PAUSE_S = 0.002  # ... doubling up to this (a store that is down answers nothing)
 # The longest one waiting poll may ask the server to hold it: a store that dies meanwhile holds the
 # caller this long plus one RPC timeout, then the client fails open as for any unanswered RPC.
 _MAX_POLL_WAIT_S = 1.0
@@ -168,13 +169,16 @@ class StoreProcessClient(HostStoreClient):
         deadline = time.monotonic() + timeout_s
         out: dict[int, Status] = {}
         pending = list(task_ids)
+        pause = _EARLY_REPLY_S
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             done = {t: s for t, s in self.try_wait(pending, wait_s=left).items() if s.done}
-            if not done and time.monotonic() < deadline - _EARLY_REPLY_S:
-                time.sleep(_EARLY_REPLY_S)  # a server that answers polls at once (FlexKV's store)
+            if not done and time.monotonic() < deadline - pause:
+                # a server that answers polls at once (FlexKV's store), or none while it is down
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_EARLY_REPLY_PAUSE_S)
             out.update(done)
             pending = [t for t in pending if t not in out]
         out.update({t: Status.TIMEOUT for t in pending})
