@@ -65,7 +65,23 @@ def held_pages(store: HostStoreClient, seq: np.ndarray, ns: str) -> int:
 _SHARED_EMBEDDED: dict[str, Any] = {}  # one default server per test module (start-up is ~1.5 s)
 
 
-class EmbeddedHarness:
+class _Harness:
+    """What both harnesses share: a store process at ``endpoint`` speaking our protocol, and
+    clients of it (short timeouts, the module's pool) that ``close`` closes."""
+
+    kind: str
+    pool: PagePool
+    endpoint: str
+    clients: list[HostStoreClient]
+
+    def client(self, **cfg: Any) -> HostStoreClient:
+        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, "pool_handle": self.pool.handle(), **cfg}
+        client = open_store(self.kind, endpoint=self.endpoint, page_size=SPEC.page_size, **cfg)
+        self.clients.append(client)
+        return client
+
+
+class EmbeddedHarness(_Harness):
     """Our store server. A default one (no options) is shared by a test module; any option
     gets a dedicated server. Each harness has its own namespace."""
 
@@ -101,12 +117,6 @@ class EmbeddedHarness:
     def kill(self) -> None:
         self.proc.kill()
 
-    def client(self, **cfg: Any) -> HostStoreClient:
-        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, "pool_handle": self.pool.handle(), **cfg}
-        client = open_store("embedded", endpoint=self.endpoint, page_size=SPEC.page_size, **cfg)
-        self.clients.append(client)
-        return client
-
     def close(self) -> None:
         for client in self.clients:
             client.close()
@@ -118,7 +128,7 @@ class EmbeddedHarness:
 _SHARED_MOONCAKE: dict[str, Any] = {}  # one master and store process per test module
 
 
-class MooncakeHarness:
+class MooncakeHarness(_Harness):
     """A store server process with the Mooncake backing, in front of a `mooncake_master` on
     loopback; clients speak the store protocol to the process. Shared master and process unless
     the case needs its own (`dedicated`, a copy delay); `kill`/`start` kill and restart the
@@ -158,12 +168,6 @@ class MooncakeHarness:
     def kill(self) -> None:
         self.master.proc.kill()
         self.master.proc.wait()
-
-    def client(self, **cfg: Any) -> HostStoreClient:
-        cfg = {"rpc_timeout_s": 0.5, "retry_interval_s": 0.2, "pool_handle": self.pool.handle(), **cfg}
-        client = open_store("mooncake", endpoint=self.endpoint, page_size=SPEC.page_size, **cfg)
-        self.clients.append(client)
-        return client
 
     def close(self) -> None:
         for client in self.clients:
