@@ -202,11 +202,10 @@ class KVCacheManager:
         results = []
         for (user_id, _), request_tokens, keys, device in zip(requests, tokens, chains, devices):
             candidates = self.store is not None and len(keys) - len(device) >= self.min_host_pages
-            if candidates:
-                may_hold = self.store.may_hold(keys[len(device):])
-                candidates = may_hold >= self.min_host_pages
-                if not candidates:
-                    self.leases.count("host_filtered_lookups")
+            may_hold = self.store.may_hold(keys[len(device):]) if candidates else 0
+            if candidates and may_hold < self.min_host_pages:
+                self.leases.count("host_filtered_lookups")
+                candidates = False
             host_pages = len(device) + may_hold if candidates else 0
             results.append(LookupResult(
                 user_id=int(user_id),
