@@ -130,27 +130,26 @@ class PagedBatch:
                 return f"user {b} page_row: expected page ids in [0, {num_pages - 1}], got {row.tolist()}"
         return None
 
-    def graph_inputs(self, kv_pool: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def graph_inputs(self, kv_pool: torch.Tensor, packed: torch.Tensor | None = None,
+                     max_lens: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
         """Arguments of the exported forward, in ``GRAPH_INPUT_NAMES`` order, on the pool's device.
-        On a GPU the six index tensors travel as one packed, pinned host buffer in one
-        asynchronous copy (six pageable copies cost a synchronous round trip each)."""
+        On a GPU the six index tensors travel as one packed, pinned host buffer
+        (``packed_indices``) in one asynchronous copy (six pageable copies cost a synchronous
+        round trip each); ``packed`` is that buffer already on the device (a CUDA graph's input
+        buffer), whose views the index arguments then are. ``max_lens``: the shape carriers'
+        lengths (new tokens, candidates), at least the longest user's (default: exactly)."""
         device = kv_pool.device
-        max_new = int((self.new_offsets[1:] - self.new_offsets[:-1]).max())
-        max_cand = int((self.cand_offsets[1:] - self.cand_offsets[:-1]).max())
-        parts = (self.new_tokens, self.new_offsets, self.cached_lens, self.page_table.reshape(-1),
-                 self.candidates, self.cand_offsets)
+        if max_lens is None:
+            max_lens = (int((self.new_offsets[1:] - self.new_offsets[:-1]).max()),
+                        int((self.cand_offsets[1:] - self.cand_offsets[:-1]).max()))
+        max_new, max_cand = max_lens
+        parts = self._index_parts()
         if device.type == "cpu":
             on_device = parts
         else:
-            # each part starts 128 bytes into the buffer past the last: compiled kernels may
-            # assume their inputs aligned
-            starts = [0]
-            for p in parts:
-                starts.append(starts[-1] + -(-p.numel() // _ALIGN) * _ALIGN)
-            packed = torch.empty(starts[-1], dtype=torch.int64, pin_memory=True)
-            for p, start in zip(parts, starts):
-                packed[start:start + p.numel()] = p
-            packed = packed.to(device, non_blocking=True)
+            if packed is None:
+                packed = self.packed_indices().to(device, non_blocking=True)
+            starts = _packed_starts(parts)
             on_device = [packed[start:start + p.numel()] for p, start in zip(parts, starts)]
         new_tokens, new_offsets, cached_lens, page_table, candidates, cand_offsets = on_device
         return (
@@ -164,6 +163,20 @@ class PagedBatch:
             torch.empty(max_new, dtype=torch.int8, device=device),  # shape carrier [Mn]
             torch.empty(max_cand, dtype=torch.int8, device=device),  # shape carrier [Mc]
         )
+
+    def packed_indices(self) -> torch.Tensor:
+        """The six index tensors in one pinned int64 host buffer, each starting 128 bytes past
+        the last one's start at least (compiled kernels may assume their inputs aligned)."""
+        parts = self._index_parts()
+        starts = _packed_starts(parts)
+        packed = torch.empty(starts[-1], dtype=torch.int64, pin_memory=True)
+        for p, start in zip(parts, starts):
+            packed[start:start + p.numel()] = p
+        return packed
+
+    def _index_parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.new_tokens, self.new_offsets, self.cached_lens, self.page_table.reshape(-1),
+                self.candidates, self.cand_offsets)
 
 
 # What one compiled call costs before its work, in cells (one query x key product of one layer),
@@ -214,6 +227,14 @@ def _int64_1d(values: _IntSeq, name: str) -> torch.Tensor:
     if tensor.dtype != torch.int64 or tensor.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D int64 sequence, got {tensor.dtype} {tuple(tensor.shape)}")
     return tensor
+
+
+def _packed_starts(parts: Sequence[torch.Tensor]) -> list[int]:
+    """Where each part starts in the packed buffer, then its length: ``_ALIGN``-aligned starts."""
+    starts = [0]
+    for p in parts:
+        starts.append(starts[-1] + -(-p.numel() // _ALIGN) * _ALIGN)
+    return starts
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

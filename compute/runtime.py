@@ -27,7 +27,7 @@ from compute.batch import PagedBatch
 from compute.build import build_key, package_path, read_build_key
 from compute.checkpoint import load_model
 from compute.config import HSTUConfig
-from compute.model import write_new_kv
+from compute.graphs import GraphedForward, run_forward
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,15 @@ Runner = Callable[[torch.Tensor, PagedBatch], torch.Tensor]
 def load_eager(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     """Runner over ``HSTUModel.forward`` on ``device`` (no compilation)."""
     model = load_model(model_dir, device)
-    return _runner(model, model.config)
+    return _CheckedRunner(model, model.config)
 
 
-def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
+def load_compiled(model_dir: str | os.PathLike, device: str = "cpu", cuda_graphs: int = 0) -> Runner:
     """Runner over the AOTI package ``hstu_<device>.pt2`` (``hstu-build`` writes it). Raises
-    ``FileNotFoundError`` when it is missing and ``RuntimeError`` when it is stale."""
+    ``FileNotFoundError`` when it is missing and ``RuntimeError`` when it is stale.
+
+    ``cuda_graphs`` > 0 on a CUDA device: small batches replay CUDA graphs captured at bucketed
+    shapes, at most that many kept (``compute.graphs``); the runner is then for one thread."""
     folder = Path(model_dir)
     device_type = torch.device(device).type
     path = package_path(folder, device_type)
@@ -56,30 +59,43 @@ def load_compiled(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
                            f"run `hstu-build --model-dir {folder} --device {device_type}`")
     config = HSTUConfig.load(folder)
     index = torch.device(device).index
+    graphs = cuda_graphs if device_type == "cuda" else 0
     if device_type == "cuda":
-        compiled = torch._inductor.aoti_load_package(str(path), device_index=index or 0)
+        # run_single_threaded: no locking around a call, which a CUDA graph capture needs
+        compiled = torch._inductor.aoti_load_package(str(path), device_index=index or 0,
+                                                     run_single_threaded=graphs > 0)
     else:
         compiled = torch._inductor.aoti_load_package(str(path))
-    logger.info("loaded AOTI package %s", path)
-    return _runner(compiled, config)
+    logger.info("loaded AOTI package %s (CUDA graphs: %s)", path, f"up to {graphs}" if graphs else "off")
+    if graphs:
+        return _CheckedRunner(GraphedForward(compiled, config.num_layers, config.page_size, max_graphs=graphs), config)
+    return _CheckedRunner(compiled, config)
 
 
 # ---------------------------------------------------------------------------------------
 # helpers
 
 
-def _runner(graph: Callable, config: HSTUConfig) -> Runner:
-    """``run(kv_pool, batch)`` over ``graph`` (the compiled package or the module): check, run the
-    graph (it only reads the pool), then write the new tokens' K/V rows it returns."""
+class _CheckedRunner:
+    """``run(kv_pool, batch)``: check, then ``forward`` (a ``GraphedForward``) or one call of
+    ``graph`` (the compiled package or the module, which only reads the pool) and the write of
+    the new tokens' K/V rows it returns. ``stats``: the graphs' counters, empty without."""
 
-    def run(kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        _check(kv_pool, batch, config)
+    def __init__(self, graph: Callable, config: HSTUConfig) -> None:
+        self.graph = graph
+        self.config = config
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self.graph.stats) if isinstance(self.graph, GraphedForward) else {}
+
+    def __call__(self, kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        _check(kv_pool, batch, self.config)
         with torch.no_grad():
-            scores, kv_rows, kv_values = graph(*batch.graph_inputs(kv_pool))
-            write_new_kv(kv_pool, kv_rows, kv_values)
-        return scores
+            if isinstance(self.graph, GraphedForward):
+                return self.graph(kv_pool, batch)
+            return run_forward(self.graph, kv_pool, batch)
 
-    return run
 
 
 def _check(kv_pool: torch.Tensor, batch: PagedBatch, config: HSTUConfig) -> None:

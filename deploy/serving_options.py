@@ -32,6 +32,8 @@ HELP: dict[str, str] = {
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
     "min_host_pages": ("the fewest pages past the device prefix worth onboarding from the host store; a "
                        "request with fewer recomputes them (README: when a host hit pays)"),
+    "cuda_graphs": ("--device cuda: the most CUDA graphs of the compiled forward hstu_compute keeps, one per "
+                    "bucketed batch shape (0: none, every batch calls the package)"),
     "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
                                "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",

@@ -62,6 +62,10 @@ class ServingSettings:
     # fewer recomputes them. Where a host hit costs what a miss does (README, "When a host hit
     # pays"), raise it to recompute histories up to that length.
     min_host_pages: int = MIN_HOST_PAGES
+    # hstu_compute on CUDA: the most CUDA graphs of the compiled forward it keeps, one per bucketed
+    # batch shape (compute.graphs; CUDA_GRAPHS is a trace's worth); 0 calls the package directly
+    # every time. Ignored on the CPU. Off until measured on the GPU.
+    cuda_graphs: int = 0
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
     # memory nodes hold every object, so stopping a server loses nothing), and the address other
@@ -78,6 +82,8 @@ class ServingSettings:
             raise ValueError(f"HSTU_STORE={self.store!r}: expected one of {STORE_KINDS}")
         if self.pool_pages < 2:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
+        if self.cuda_graphs < 0:
+            raise ValueError(f"HSTU_CUDA_GRAPHS={self.cuda_graphs}: expected >= 0 graphs (0: none)")
         if self.min_host_pages < 1:
             raise ValueError(f"HSTU_MIN_HOST_PAGES={self.min_host_pages}: expected >= 1 page")
         for name in ("lease_ttl_s", "store_timeout_s"):

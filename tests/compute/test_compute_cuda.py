@@ -102,8 +102,11 @@ def test_call_cost_does_not_grow_with_the_pool(cuda_model_dir, cuda_runner):
                                              f"the pool is {pool_bytes / 2**20:.0f} MiB: something copies the pool")
 
 
-def test_a_call_writes_only_its_new_tokens_rows(cuda_runner, cuda_model_dir):
-    """Every slot outside the new tokens' positions keeps its bytes: the write is one indexed copy."""
+@pytest.mark.parametrize("runner_name", ["cuda_runner", "graphed_runner"])
+def test_a_call_writes_only_its_new_tokens_rows(request, runner_name, cuda_model_dir):
+    """Every slot outside the new tokens' positions keeps its bytes: the write is one indexed copy
+    (with CUDA graphs too: the padding's tokens would land in page 0)."""
+    cuda_runner = request.getfixturevalue(runner_name)
     config = HSTUConfig.load(cuda_model_dir)
     rng = np.random.default_rng(7)
     pool = torch.randn(config.num_layers, 64, 2, config.page_size, config.num_heads, config.head_dim,
@@ -119,3 +122,30 @@ def test_a_call_writes_only_its_new_tokens_rows(cuda_runner, cuda_model_dir):
     expected[9, :] = True
     expected[12, :8] = True
     assert torch.equal(changed, expected), f"written slots differ: {changed.nonzero().tolist()}"
+
+
+@pytest.fixture(scope="module")
+def graphed_runner(cuda_model_dir):
+    return load_compiled(cuda_model_dir, "cuda", cuda_graphs=8)
+
+
+def test_cuda_graphs_serve_the_scores_and_writes_of_a_direct_call(cuda_model_dir, cuda_runner, graphed_runner):
+    """hstu_compute's default runner: batches padded to bucketed shapes and replayed from CUDA
+    graphs give the direct call's scores and pool contents, a second batch of the same bucket
+    replays the first one's graph, and page 0 (the padding's) is never written."""
+    config = HSTUConfig.load(cuda_model_dir)
+    rng = np.random.default_rng(9)
+    pages = PageAllocator(512, rng)
+    pages.free.remove(0)
+    direct_pool, graphed_pool = new_pool(config, 512).cuda(), new_pool(config, 512).cuda()
+    for _ in range(2):  # the same shapes twice: the second round replays the first one's graphs
+        users = [make_user(rng, config, events, 8, pages, cached_len=cached)
+                 for events, cached in ((3, 0), (40, 64), (90, 128))]
+        want = serve(cuda_runner, direct_pool, users)
+        got = serve(graphed_runner, graphed_pool, users)
+        torch.testing.assert_close(got, want, rtol=0, atol=default_tolerance(config) / 4)
+    written = ~torch.isnan(direct_pool)
+    assert torch.equal(written, ~torch.isnan(graphed_pool)), "the graphs wrote other slots than the direct calls"
+    assert torch.isnan(graphed_pool[:, 0]).all(), "a padding token was written into page 0"
+    stats = graphed_runner.stats
+    assert stats["compute_graph_calls"] > stats["compute_graph_captures"] > 0, stats

@@ -48,6 +48,7 @@ from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
 from compute.batch import CALL_CELLS
 from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
+from compute.graphs import GRAPH_STATS_KEYS
 from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
@@ -74,7 +75,7 @@ class TritonPythonModel:
             torch.set_num_threads(1)
         self.version = args["model_version"]
         self.model_dir = self._model_dir(Path(args["model_repository"]) / self.version)
-        self.run = load_compiled(self.model_dir, self.settings.device)
+        self.run = load_compiled(self.model_dir, self.settings.device, cuda_graphs=self.settings.cuda_graphs)
         # load_compiled checked the package's build key against the folder; the key holds the
         # weights' fingerprint, so it is read back rather than hashed again (seconds on large weights).
         self.namespace = read_build_key(self.model_dir, self.device.type)["fingerprint"]
@@ -86,8 +87,8 @@ class TritonPythonModel:
         self.onboard_wait_timeout_s = self.settings.timeouts.onboard_wait_s + self.settings.timeouts.control_s
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 stage_keys("onboard", "compute", "compute_call"),
-                                 source=self.stages.stats)
+                                 [*stage_keys("onboard", "compute", "compute_call"), *GRAPH_STATS_KEYS],
+                                 source=lambda: {**self.stages.stats(), **self.run.stats})
         self._forwards: queue.Queue = queue.Queue()  # (ComputeRequests, Event set when answered), then STOP
         self._forward_thread = threading.Thread(target=self._run_forwards, name="hstu-compute-forwards", daemon=True)
         self._forward_thread.start()

@@ -1,0 +1,69 @@
+"""Padding a batch to a CUDA graph's bucketed shape (``compute.graphs``) changes nothing a user
+sees: checked here on the CPU with the eager module (the CUDA graphs themselves run in
+``test_compute_cuda.py``, on the GPU host).
+
+- ``bucket`` pads by at most 1.5x (past 4) and never below the size;
+- a padded batch, its outputs cut back by ``unpad_outputs``, gives the real users' scores and
+  K/V rows of the batch run as it is, and the padding's rows (page 0) are never written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compute import PagedBatch
+from compute.graphs import GraphShape, bucket, pad_batch, run_forward, unpad_outputs
+from compute.model import write_new_kv
+from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, suffix_request
+
+
+def test_bucket_pads_by_at_most_half():
+    sizes = [bucket(n) for n in range(0, 5000)]
+    assert sizes[:5] == [0, 1, 2, 3, 4]
+    assert all(b >= n for n, b in enumerate(sizes))
+    assert all(b <= 1.5 * n for n, b in enumerate(sizes) if n > 4)
+    assert sorted(set(sizes)) == sorted(set(bucket(b) for b in sizes)), "a bucket is its own bucket"
+
+
+@pytest.mark.parametrize("events", [(3, 40, 300), (17,), (1, 1, 1, 1, 1)], ids=["three users", "one user", "five tiny"])
+def test_a_padded_batch_scores_and_writes_what_the_batch_does(eager, config, events):
+    rng = np.random.default_rng(len(events))
+    pages = PageAllocator(300, rng)
+    pages.free.remove(0)  # page 0: never a real user's, so a write from the padding would show there
+    users = [make_user(rng, config, n, 7, pages) for n in events]
+    pool = new_pool(config, 300)  # NaN: any slot written shows
+    for user in users:
+        fill_prefix(eager, pool, user)
+    batch = PagedBatch.from_requests([suffix_request(u) for u in users])
+    shape = GraphShape.covering(batch, config.page_size)
+    padded = pad_batch(batch, shape)
+    assert padded.num_users == shape.users > batch.num_users or shape.new_tokens == int(batch.new_offsets[-1])
+
+    plain_pool, padded_pool = pool.clone(), pool.clone()
+    with torch.no_grad():
+        want = run_forward(eager.graph, plain_pool, batch)
+        outputs = eager.graph(*padded.graph_inputs(padded_pool, max_lens=(shape.max_new, shape.max_cand)))
+        scores, rows, values = unpad_outputs(outputs, batch, shape, config.num_layers)
+        write_new_kv(padded_pool, rows, values)
+
+    torch.testing.assert_close(scores, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded_pool, plain_pool, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isnan(padded_pool[:, 0]).all(), "the padding's tokens were written into page 0"
+
+
+def test_the_covering_shape_gives_the_padding_enough_users_and_pages(config):
+    rng = np.random.default_rng(3)
+    requests = [(rng.integers(1, 100, n), 0, list(range(1, 1 + -(-n // config.page_size))), rng.integers(1, 100, c))
+                for n, c in ((70, 5), (33, 1), (0, 9))]
+    batch = PagedBatch.from_requests(requests)
+    shape = GraphShape.covering(batch, config.page_size)
+    padded = pad_batch(batch, shape)
+    lens = (padded.new_offsets[1:] - padded.new_offsets[:-1])
+    cands = (padded.cand_offsets[1:] - padded.cand_offsets[:-1])
+    assert (padded.num_users, int(padded.new_offsets[-1]), int(padded.cand_offsets[-1]), padded.page_table.shape[1]) == (
+        shape.users, shape.new_tokens, shape.candidates, shape.table_width)
+    assert int(lens.max()) <= shape.max_new and int(cands.max()) <= shape.max_cand
+    assert padded.check(torch.empty(1, 300, 2, config.page_size, 1, 1), config.page_size, config.vocab_size,
+                        config.item_vocab) is None
