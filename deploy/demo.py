@@ -34,13 +34,14 @@ def _ms_per_execution(h: HopStats) -> float:
 
 
 def cache_metrics(metrics_url: str) -> list[Sample]:
-    """Every hstu_kv_* series on Triton's metrics endpoint."""
+    """Every hstu_kv_* and hstu_compute_* series on Triton's metrics endpoint."""
     metrics = scrape(metrics_url)
-    return [sample for name in metrics.names("hstu_kv_") for sample in metrics.samples(name)]
+    return [sample for prefix in ("hstu_kv_", "hstu_compute_") for name in metrics.names(prefix)
+            for sample in metrics.samples(name)]
 
 
 STEPS = (LOOKUP, COMPUTE, OFFLOAD)  # the ensemble's steps, whose batches the demo reports
-DEMO_OPTIONS = ("device", "pool_pages", "store")  # the ServingSettings fields the demo takes as options
+DEMO_OPTIONS = ("device", "pool_pages", "store", "cuda_graphs")  # the ServingSettings fields the demo takes as options
 
 
 def main(argv: list[str] | None = None) -> int:
