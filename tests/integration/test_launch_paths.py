@@ -238,6 +238,17 @@ def test_min_host_pages_reaches_the_cache_owner_and_a_bad_one_names_its_variable
         ServingSettings(min_host_pages=0)
 
 
+def test_cuda_graphs_travels_in_the_environment_and_a_bad_one_names_its_variable(tmp_path: Path) -> None:
+    """--cuda-graphs (HSTU_CUDA_GRAPHS): what hstu-serve sets is what hstu_compute reads."""
+    from deploy.runtime.settings import ServingSettings
+
+    env = ServingSettings(run_dir=tmp_path, cuda_graphs=8).to_env()
+    assert env["HSTU_CUDA_GRAPHS"] == "8"
+    assert ServingSettings.from_env(env).cuda_graphs == 8
+    with pytest.raises(ValueError, match="HSTU_CUDA_GRAPHS=-1"):
+        ServingSettings(cuda_graphs=-1)
+
+
 def test_the_shipped_compute_version_serves_the_model_the_server_was_given(tmp_path: Path) -> None:
     """`hstu_compute/1/` holds the default model; a server given another (HSTU_MODEL_DIR, as
     `--model-config` sets it) must serve that one, and a rollout's version folder its own."""
