@@ -3,8 +3,11 @@
 On the GPU a call of the AOTI package is launch-bound up to about 8 users (``compute.batch``,
 ``CALL_CELLS``): the CPU issuing a few hundred kernels, not the GPU running them, sets its
 time. A CUDA graph replays the same kernels with one launch. A graph is captured for fixed
-tensor shapes and addresses, so a batch is padded up to a bucketed shape (``GraphShape``) and
-its inputs are copied into the graph's own input buffer before each replay.
+tensor shapes and addresses, so a batch is padded up to a bucketed shape (``GraphShape``: each
+size to a power of two, with minimums that let one graph serve every batch of short runs) and
+its inputs are copied into the graph's own input buffer before each replay. Only launch-bound
+batches are replayed (``GRAPH_MAX_CELLS``), and a shape is captured at its second batch
+(``CAPTURE_AFTER``).
 
 Padding never changes a real user's result:
 - the bucket's extra users (``pad_batch``) come after the real ones, with nothing cached, page
@@ -23,7 +26,7 @@ outputs are consumed (scores copied, K/V written) before the next replay.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,9 +40,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["CUDA_GRAPHS", "GRAPH_MAX_CELLS", "GRAPH_STATS_KEYS", "GraphShape", "GraphedForward", "bucket", "pad_batch", "run_forward", "unpad_outputs"]
 
 # A batch is replayed from a graph only while its padded forward is at most this many cells (one
-# query x key product of one layer); past it a call is GPU-bound and padding costs more than the
-# launches it saves. On an H100 (small config) 1 ms of compute is about 10M cells.
-GRAPH_MAX_CELLS = 64 * 1024 * 1024
+# query x key product of one layer): a launch-bound call. Past it the GPU's work hides the
+# launches, and padding only adds to it: on an H100 (small config) 32 users of 1,024 cached
+# tokens (8M cells) took 1.76 ms called directly and 1.97 ms padded to 11.8M cells and replayed.
+GRAPH_MAX_CELLS = 8 * 1024 * 1024
+# A shape is captured at its second batch: a capture costs several forwards, so a shape seen once
+# (a rare mix of users) runs directly instead.
+CAPTURE_AFTER = 2
+# The smallest bucket of each kind of size: one graph then serves every batch of short runs. In
+# a launch-bound call the padding costs nothing measurable; a trace with finer buckets (1.5x
+# steps, no minimum) needed a new graph for every second batch of 1,024 (285 captures).
+MIN_TOKENS, MIN_CANDIDATES, MIN_PAGES = 64, 64, 32
 CUDA_GRAPHS = 64  # graphs kept by default (hstu-serve --cuda-graphs): a trace of mixed users needs a few dozen
 GRAPH_STATS_KEYS = ("compute_graph_calls", "compute_direct_calls", "compute_graph_captures")
 PAD_TOKEN = 1  # a valid token id and item id for the extra users' inputs
@@ -53,13 +64,9 @@ def run_forward(graph: Callable, kv_pool: torch.Tensor, batch: PagedBatch) -> to
     return scores
 
 
-def bucket(n: int) -> int:
-    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) that is
-    >= ``n``: padding to it costs at most 1.5x, and a few dozen shapes cover a trace."""
-    if n <= 4:
-        return max(n, 0)
-    power = 1 << (n - 1).bit_length()  # >= n
-    return power * 3 // 4 if power * 3 // 4 >= n else power
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= ``n`` and >= ``minimum``."""
+    return 1 << (max(n, minimum, 1) - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,12 @@ class GraphShape:
         new_lens = batch.new_offsets[1:] - batch.new_offsets[:-1]
         cand_lens = batch.cand_offsets[1:] - batch.cand_offsets[:-1]
         num_new, num_cand = int(batch.new_offsets[-1]), int(batch.cand_offsets[-1])
-        max_new, max_cand = bucket(int(new_lens.max())), bucket(int(cand_lens.max()))
-        new_tokens, candidates = bucket(num_new), bucket(num_cand)
+        max_new, max_cand = bucket(int(new_lens.max()), MIN_TOKENS), bucket(int(cand_lens.max()), MIN_CANDIDATES)
+        new_tokens, candidates = bucket(num_new, MIN_TOKENS), bucket(num_cand, MIN_CANDIDATES)
         # an extra user takes up to max_new padding tokens and max_cand padding candidates
-        extra = max(_ceil_div(new_tokens - num_new, max(max_new, 1)), _ceil_div(candidates - num_cand, max_cand))
+        extra = max(_ceil_div(new_tokens - num_new, max_new), _ceil_div(candidates - num_cand, max_cand))
         # its pages (all page 0) must fit the table: max_new tokens from position 0
-        table_width = max(bucket(batch.page_table.shape[1]), _ceil_div(max_new, page_size))
+        table_width = max(bucket(batch.page_table.shape[1], MIN_PAGES), _ceil_div(max_new, page_size))
         return cls(bucket(batch.num_users + extra), new_tokens, candidates, table_width, max_new, max_cand)
 
     def cells(self, num_layers: int, page_size: int) -> int:
@@ -127,10 +134,11 @@ def unpad_outputs(outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batc
 
 class GraphedForward:
     """``run(kv_pool, batch) -> scores`` like ``compute.runtime``'s runners (same promises), over
-    a compiled graph loaded with ``run_single_threaded=True`` (capturable). Batches up to
-    ``max_cells`` padded are replayed from a graph of their bucketed shape, captured at its first
-    batch; at most ``max_graphs`` are kept (least recently used dropped). Larger batches, and a
-    shape whose capture failed, run the compiled graph directly. One thread calls it."""
+    a compiled graph loaded with ``run_single_threaded=True`` (capturable). A batch of at most
+    ``max_cells`` padded is replayed from the graph of its bucketed shape, captured at the
+    shape's ``CAPTURE_AFTER``-th batch; at most ``max_graphs`` are kept (least recently used
+    dropped). Other batches, and a shape whose capture failed, call the compiled graph directly.
+    One thread calls it."""
 
     def __init__(self, graph: Callable, num_layers: int, page_size: int, max_graphs: int,
                  max_cells: int = GRAPH_MAX_CELLS) -> None:
@@ -142,6 +150,7 @@ class GraphedForward:
         self.max_graphs = max_graphs
         self.max_cells = max_cells
         self._graphs: OrderedDict[GraphShape, _Captured] = OrderedDict()
+        self._batches_seen: Counter[GraphShape] = Counter()  # of shapes not captured
         self._uncapturable: set[GraphShape] = set()
         self._pool_ptr = None  # graphs hold the pool's address: a new pool drops them
         self._memory = None  # the graphs' shared memory pool (module docstring)
@@ -149,40 +158,42 @@ class GraphedForward:
 
     def __call__(self, kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         shape = GraphShape.covering(batch, self.page_size)
-        if shape.cells(self.num_layers, self.page_size) > self.max_cells or shape in self._uncapturable:
+        padded = pad_batch(batch, shape) if shape.cells(self.num_layers, self.page_size) <= self.max_cells else None
+        captured = None if padded is None else self._graph(kv_pool, shape, padded)
+        if captured is None:
             self.stats["compute_direct_calls"] += 1
             return run_forward(self.graph, kv_pool, batch)
-        captured = self._captured(kv_pool, shape, pad_batch(batch, shape))
-        if captured is None:  # capture failed: this shape runs directly from now on
-            return self(kv_pool, batch)
+        captured.load(padded)
+        captured.cuda_graph.replay()
+        self.stats["compute_graph_calls"] += 1
         scores, kv_rows, kv_values = unpad_outputs(captured.outputs, batch, shape, self.num_layers)
         write_new_kv(kv_pool, kv_rows, kv_values)
         return scores.clone()  # the next replay overwrites the graph's own
 
-    def _captured(self, kv_pool: torch.Tensor, shape: GraphShape, padded: PagedBatch) -> "_Captured | None":
-        """The graph of ``shape`` with ``padded``'s inputs in place and replayed, capturing it first
-        if needed; ``None`` when capture fails."""
+    def _graph(self, kv_pool: torch.Tensor, shape: GraphShape, padded: PagedBatch) -> "_Captured | None":
+        """The graph of ``shape``, captured now (over ``padded``) if its time has come; ``None``
+        while the batch runs directly."""
         if self._pool_ptr != kv_pool.data_ptr():
             self._graphs.clear()
             self._pool_ptr = kv_pool.data_ptr()
         captured = self._graphs.get(shape)
         if captured is not None:
             self._graphs.move_to_end(shape)
-            captured.load(padded)
-            captured.cuda_graph.replay()
-            self.stats["compute_graph_calls"] += 1
             return captured
+        self._batches_seen[shape] += 1
+        if shape in self._uncapturable or self._batches_seen[shape] < CAPTURE_AFTER:
+            return None
         try:
             captured = self._capture(kv_pool, shape, padded)
         except Exception:
             logger.warning("CUDA graph capture failed for %s; that shape runs without a graph", shape, exc_info=True)
             self._uncapturable.add(shape)
             return None
+        del self._batches_seen[shape]
         self._graphs[shape] = captured
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         self.stats["compute_graph_captures"] += 1
-        self.stats["compute_graph_calls"] += 1
         logger.info("captured a CUDA graph for %s (%d kept)", shape, len(self._graphs))
         return captured
 
@@ -203,7 +214,6 @@ class GraphedForward:
         # thread_local: the model's other threads may use CUDA meanwhile (not into this graph)
         with torch.cuda.graph(cuda_graph, pool=self._memory, capture_error_mode="thread_local"):
             outputs = self.graph(*inputs)
-        cuda_graph.replay()  # capture ran nothing: this computes the batch
         return _Captured(cuda_graph, packed, inputs, outputs)
 
 

@@ -115,7 +115,8 @@ def test_a_call_writes_only_its_new_tokens_rows(request, runner_name, cuda_model
     # 32 cached tokens in page 3; 40 new ones at positions 32..71: page 9 whole, page 12 offsets 0..7.
     batch = PagedBatch.from_requests([(rng.integers(1, config.vocab_size, 40, dtype=np.int64), 32, [3, 9, 12],
                                        rng.integers(1, config.item_vocab, 5, dtype=np.int64))])
-    cuda_runner(pool, batch)
+    for _ in range(3):  # with graphs: direct, captured, replayed (the same rows each time)
+        cuda_runner(pool, batch)
 
     changed = (pool != before).flatten(4).any(-1).any(0).any(1)  # [L, P, 2, S, H*D] -> [P, S]: any layer, K or V
     expected = torch.zeros_like(changed)
@@ -131,14 +132,14 @@ def graphed_runner(cuda_model_dir):
 
 def test_cuda_graphs_serve_the_scores_and_writes_of_a_direct_call(cuda_model_dir, cuda_runner, graphed_runner):
     """hstu_compute's default runner: batches padded to bucketed shapes and replayed from CUDA
-    graphs give the direct call's scores and pool contents, a second batch of the same bucket
-    replays the first one's graph, and page 0 (the padding's) is never written."""
+    graphs give the direct call's scores and pool contents, a shape's graph is captured at its
+    second batch and replayed after, and page 0 (the padding's) is never written."""
     config = HSTUConfig.load(cuda_model_dir)
     rng = np.random.default_rng(9)
     pages = PageAllocator(512, rng)
     pages.free.remove(0)
     direct_pool, graphed_pool = new_pool(config, 512).cuda(), new_pool(config, 512).cuda()
-    for _ in range(2):  # the same shapes twice: the second round replays the first one's graphs
+    for _ in range(3):  # the same shapes: the second round captures graphs, the third replays them
         users = [make_user(rng, config, events, 8, pages, cached_len=cached)
                  for events, cached in ((3, 0), (40, 64), (90, 128))]
         want = serve(cuda_runner, direct_pool, users)

@@ -2,7 +2,7 @@
 sees: checked here on the CPU with the eager module (the CUDA graphs themselves run in
 ``test_compute_cuda.py``, on the GPU host).
 
-- ``bucket`` pads by at most 1.5x (past 4) and never below the size;
+- ``bucket`` pads to a power of two, at least its minimum;
 - a padded batch, its outputs cut back by ``unpad_outputs``, gives the real users' scores and
   K/V rows of the batch run as it is, and the padding's rows (page 0) are never written.
 """
@@ -19,12 +19,9 @@ from compute.model import write_new_kv
 from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, suffix_request
 
 
-def test_bucket_pads_by_at_most_half():
-    sizes = [bucket(n) for n in range(0, 5000)]
-    assert sizes[:5] == [0, 1, 2, 3, 4]
-    assert all(b >= n for n, b in enumerate(sizes))
-    assert all(b <= 1.5 * n for n, b in enumerate(sizes) if n > 4)
-    assert sorted(set(sizes)) == sorted(set(bucket(b) for b in sizes)), "a bucket is its own bucket"
+def test_bucket_is_the_next_power_of_two_past_its_minimum():
+    assert [bucket(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert [bucket(n, 64) for n in (0, 1, 63, 64, 65)] == [64, 64, 64, 64, 128]
 
 
 @pytest.mark.parametrize("events", [(3, 40, 300), (17,), (1, 1, 1, 1, 1)], ids=["three users", "one user", "five tiny"])
