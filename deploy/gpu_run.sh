@@ -12,7 +12,8 @@
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
 #            128 requests in flight (a user's requests run in order); every score checked at every
-#            concurrency, clean-stop time; $SWEEP_REQUESTS requests, default 512, at $SWEEP_CONCURRENCY)
+#            concurrency, clean-stop time; $SWEEP_REQUESTS requests, default 512, at $SWEEP_CONCURRENCY),
+#            once per hstu_compute --cuda-graphs value in $SWEEP_CUDA_GRAPHS (default 0; "64 0" compares)
 #   pooldemo the same demo on a small pool (2,048 pages, about half the trace's working set: host
 #            hits through the onboarding path, every score checked)
 #   bench    hstu-bench's phases $BENCH_PHASES (default: cache device_hit host_hits: device hit / host
@@ -116,10 +117,14 @@ for stage in "${STAGES[@]}"; do
   for name in $CONFIGS; do
     config="deploy/configs/gpu_${name}_bf16.json"
     if [ "$stage" = sweep ]; then
-      # The float32 reference runs on the GPU too (on the CPU the large config's took over 5 minutes)
-      python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages "$POOL_PAGES" \
-        --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency ${SWEEP_CONCURRENCY:-1 4 8 16 32 64 128} \
-        --json-out "$OUT/gpu-demo-$name.json" 2>&1 | tee "$OUT/gpu-demo-$name.log" | grep -v " INFO " || status=1
+      # The float32 reference runs on the GPU too (on the CPU the large config's took over 5 minutes).
+      # One sweep per value of $SWEEP_CUDA_GRAPHS (hstu_compute's --cuda-graphs; e.g. "64 0": on, then off).
+      for graphs in ${SWEEP_CUDA_GRAPHS:-0}; do
+        python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages "$POOL_PAGES" \
+          --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency ${SWEEP_CONCURRENCY:-1 4 8 16 32 64 128} \
+          --cuda-graphs "$graphs" --json-out "$OUT/gpu-demo-$name-graphs$graphs.json" 2>&1 \
+          | tee "$OUT/gpu-demo-$name-graphs$graphs.log" | grep -v " INFO " || status=1
+      done
     fi
     if [ "$stage" = pooldemo ]; then
       python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages 2048 \
