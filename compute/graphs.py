@@ -37,7 +37,8 @@ from compute.model import write_new_kv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CUDA_GRAPHS", "GRAPH_MAX_CELLS", "GRAPH_STATS_KEYS", "GraphShape", "GraphedForward", "bucket", "pad_batch", "run_forward", "unpad_outputs"]
+__all__ = ["CUDA_GRAPHS", "GRAPH_MAX_CELLS", "GRAPH_STATS_KEYS", "GraphShape", "GraphedForward", "bucket",
+           "pad_batch", "run_forward", "unpad_outputs"]
 
 # A batch is replayed from a graph only while its padded forward is at most this many cells (one
 # query x key product of one layer): a launch-bound call. Past it the GPU's work hides the
@@ -48,10 +49,14 @@ GRAPH_MAX_CELLS = 8 * 1024 * 1024
 # (a rare mix of users) runs directly instead.
 CAPTURE_AFTER = 2
 # The smallest bucket of each kind of size: one graph then serves every batch of short runs. In
-# a launch-bound call the padding costs nothing measurable; a trace with finer buckets (1.5x
-# steps, no minimum) needed a new graph for every second batch of 1,024 (285 captures).
+# a launch-bound call the padding costs nothing measurable; with finer buckets (1.5x steps, no
+# minimum) the demo's trace needed a new graph for every second batch (285 captures in 555 calls
+# on an H100), and a simulation of its batches gives about 25 shapes for 1,000 batches of ~10
+# users with these.
 MIN_TOKENS, MIN_CANDIDATES, MIN_PAGES = 64, 64, 32
-CUDA_GRAPHS = 64  # graphs kept by default (hstu-serve --cuda-graphs): a trace of mixed users needs a few dozen
+# Graphs to keep when they are on (the compute bench's; serving takes --cuda-graphs): the simulated
+# trace above needs about 25.
+CUDA_GRAPHS = 64
 GRAPH_STATS_KEYS = ("compute_graph_calls", "compute_direct_calls", "compute_graph_captures")
 PAD_TOKEN = 1  # a valid token id and item id for the extra users' inputs
 
@@ -111,11 +116,11 @@ def pad_batch(batch: PagedBatch, shape: GraphShape) -> PagedBatch:
     page_table = torch.zeros(shape.users, shape.table_width, dtype=torch.int64)
     page_table[:batch.num_users, :batch.page_table.shape[1]] = batch.page_table
     return PagedBatch(
-        new_tokens=torch.cat([batch.new_tokens, torch.full((shape.new_tokens - num_new,), PAD_TOKEN, dtype=torch.int64)]),
+        new_tokens=torch.cat([batch.new_tokens, _pad_ids(shape.new_tokens - num_new)]),
         new_offsets=torch.cat([batch.new_offsets, num_new + torch.tensor(extra_new, dtype=torch.int64).cumsum(0)]),
         cached_lens=torch.cat([batch.cached_lens, torch.zeros(extra_users, dtype=torch.int64)]),
         page_table=page_table,
-        candidates=torch.cat([batch.candidates, torch.full((shape.candidates - num_cand,), PAD_TOKEN, dtype=torch.int64)]),
+        candidates=torch.cat([batch.candidates, _pad_ids(shape.candidates - num_cand)]),
         cand_offsets=torch.cat([batch.cand_offsets, num_cand + torch.tensor(extra_cand, dtype=torch.int64).cumsum(0)]),
     )
 
@@ -234,6 +239,10 @@ class _Captured:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _pad_ids(count: int) -> torch.Tensor:
+    return torch.full((count,), PAD_TOKEN, dtype=torch.int64)
 
 
 def _spread(total: int, users: int, cap: int) -> list[int]:
