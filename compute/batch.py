@@ -135,20 +135,20 @@ class PagedBatch:
         """Arguments of the exported forward, in ``GRAPH_INPUT_NAMES`` order, on the pool's device.
         On a GPU the six index tensors travel as one packed, pinned host buffer
         (``packed_indices``) in one asynchronous copy (six pageable copies cost a synchronous
-        round trip each); ``packed`` is that buffer already on the device (a CUDA graph's input
-        buffer), whose views the index arguments then are. ``max_lens``: the shape carriers'
-        lengths (new tokens, candidates), at least the longest user's (default: exactly)."""
+        round trip each); ``packed`` is that buffer already on the pool's device (a CUDA graph's
+        input buffer), whose views the index arguments then are. ``max_lens``: the shape
+        carriers' lengths (new tokens, candidates), at least the longest user's (default: exactly)."""
         device = kv_pool.device
         if max_lens is None:
             max_lens = (int((self.new_offsets[1:] - self.new_offsets[:-1]).max()),
                         int((self.cand_offsets[1:] - self.cand_offsets[:-1]).max()))
         max_new, max_cand = max_lens
         parts = self._index_parts()
-        if device.type == "cpu":
+        if device.type == "cpu" and packed is None:
             on_device = parts
         else:
             if packed is None:
-                packed = self.packed_indices().to(device, non_blocking=True)
+                packed = self.packed_indices(pinned=True).to(device, non_blocking=True)
             starts = _packed_starts(parts)
             on_device = [packed[start:start + p.numel()] for p, start in zip(parts, starts)]
         new_tokens, new_offsets, cached_lens, page_table, candidates, cand_offsets = on_device
@@ -164,12 +164,13 @@ class PagedBatch:
             torch.empty(max_cand, dtype=torch.int8, device=device),  # shape carrier [Mc]
         )
 
-    def packed_indices(self) -> torch.Tensor:
-        """The six index tensors in one pinned int64 host buffer, each starting 128 bytes past
-        the last one's start at least (compiled kernels may assume their inputs aligned)."""
+    def packed_indices(self, pinned: bool) -> torch.Tensor:
+        """The six index tensors in one int64 host buffer (``pinned``: page-locked, for an
+        asynchronous copy to a GPU), each starting 128 bytes past the last one's start at least
+        (compiled kernels may assume their inputs aligned)."""
         parts = self._index_parts()
         starts = _packed_starts(parts)
-        packed = torch.empty(starts[-1], dtype=torch.int64, pin_memory=True)
+        packed = torch.empty(starts[-1], dtype=torch.int64, pin_memory=pinned)
         for p, start in zip(parts, starts):
             packed[start:start + p.numel()] = p
         return packed

@@ -203,7 +203,7 @@ class GraphedForward:
         return captured
 
     def _capture(self, kv_pool: torch.Tensor, shape: GraphShape, padded: PagedBatch) -> "_Captured":
-        packed = padded.packed_indices().to(kv_pool.device, non_blocking=True)  # the graph's input buffer
+        packed = padded.packed_indices(pinned=True).to(kv_pool.device, non_blocking=True)  # the graph's input buffer
         inputs = padded.graph_inputs(kv_pool, packed, max_lens=(shape.max_new, shape.max_cand))
         # Warm up on a side stream first (the first calls may allocate workspaces or load
         # kernels, which a capture must not do); these calls read the pool and write nothing.
@@ -234,7 +234,7 @@ class _Captured:
 
     def load(self, padded: PagedBatch) -> None:
         """Copy ``padded``'s index tensors into the graph's input buffer (one copy)."""
-        self.packed.copy_(padded.packed_indices(), non_blocking=True)
+        self.packed.copy_(padded.packed_indices(pinned=self.packed.is_cuda), non_blocking=True)
 
 
 def _ceil_div(a: int, b: int) -> int:

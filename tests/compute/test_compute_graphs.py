@@ -4,7 +4,10 @@ sees: checked here on the CPU with the eager module (the CUDA graphs themselves 
 
 - ``bucket`` pads to a power of two, at least its minimum;
 - a padded batch, its outputs cut back by ``unpad_outputs``, gives the real users' scores and
-  K/V rows of the batch run as it is, and the padding's rows (page 0) are never written.
+  K/V rows of the batch run as it is, and the padding's rows (page 0) are never written;
+- ``GraphedForward`` (capture stood in for: ``ReplayOnCPU``) runs a shape's first batch directly,
+  captures it at the second and replays it after, with the direct call's scores and pool
+  writes; a failed capture, a batch past ``max_cells`` and a new pool run directly.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from compute import PagedBatch
-from compute.graphs import GraphShape, bucket, pad_batch, run_forward, unpad_outputs
+from compute.graphs import GraphedForward, GraphShape, _Captured, bucket, pad_batch, run_forward, unpad_outputs
 from compute.model import write_new_kv
 from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, suffix_request
 
@@ -64,3 +67,90 @@ def test_the_covering_shape_gives_the_padding_enough_users_and_pages(config):
     assert int(lens.max()) <= shape.max_new and int(cands.max()) <= shape.max_cand
     assert padded.check(torch.empty(1, 300, 2, config.page_size, 1, 1), config.page_size, config.vocab_size,
                         config.item_vocab) is None
+
+
+class ReplayOnCPU(GraphedForward):
+    """``GraphedForward`` with a stand-in for CUDA graph capture, which cannot run without a GPU
+    (the real capture is tested in ``test_compute_cuda.py``): "replaying" reruns the module on
+    the captured input buffers and writes the captured output tensors in place, as a CUDA graph
+    replay does. Everything else (buckets, padding, when to capture, which graph to keep, the
+    input buffer's reload, the cut of the outputs) is the shipped code."""
+
+    def __init__(self, *args, fail_capture: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail_capture = fail_capture
+
+    def _capture(self, kv_pool, shape, padded):
+        if self.fail_capture:
+            raise RuntimeError("stand-in capture failure")
+        packed = padded.packed_indices(pinned=False)
+        inputs = padded.graph_inputs(kv_pool, packed, max_lens=(shape.max_new, shape.max_cand))
+        outputs = self.graph(*inputs)
+        graph = self.graph
+
+        class Replay:
+            def replay(self) -> None:
+                for static, fresh in zip(outputs, graph(*inputs)):
+                    static.copy_(fresh)
+
+        return _Captured(Replay(), packed, inputs, outputs)
+
+
+def _same_shape_batches(config, rng, pages, count):
+    """``count`` batches of three users whose sizes fall in the same buckets, on fresh pages."""
+    batches = []
+    for _ in range(count):
+        requests = []
+        for new, cached in ((5, 0), (20, 32), (9, 64)):
+            row = pages.take(-(-(cached + new) // config.page_size))
+            requests.append((rng.integers(1, 100, new), cached, row, rng.integers(1, 100, 6)))
+        batches.append(PagedBatch.from_requests(requests))
+    return batches
+
+
+def test_a_shape_runs_directly_then_is_captured_at_its_second_batch_and_replayed(eager, config):
+    rng = np.random.default_rng(11)
+    pages = PageAllocator(200, rng)
+    pages.free.remove(0)
+    batches = _same_shape_batches(config, rng, pages, 4)
+    direct_pool, graphed_pool = torch.zeros(new_pool(config, 200).shape), torch.zeros(new_pool(config, 200).shape)
+    graphed = ReplayOnCPU(eager.graph, config.num_layers, config.page_size, max_graphs=4)
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            want = run_forward(eager.graph, direct_pool, batch)
+            got = graphed(graphed_pool, batch)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"batch {i}: {m}")
+    torch.testing.assert_close(graphed_pool, direct_pool, rtol=1e-5, atol=1e-5)
+    assert graphed.stats == {"compute_direct_calls": 1, "compute_graph_captures": 1, "compute_graph_calls": 3}
+
+
+def test_a_failed_capture_leaves_its_shape_direct_and_a_new_pool_drops_the_graphs(eager, config):
+    rng = np.random.default_rng(12)
+    pages = PageAllocator(200, rng)
+    batches = _same_shape_batches(config, rng, pages, 3)
+    pool = torch.zeros(new_pool(config, 200).shape)
+    failing = ReplayOnCPU(eager.graph, config.num_layers, config.page_size, max_graphs=4, fail_capture=True)
+    with torch.no_grad():
+        for batch in batches:
+            failing(pool, batch)
+    assert failing.stats == {"compute_direct_calls": 3, "compute_graph_captures": 0, "compute_graph_calls": 0}
+
+    graphed = ReplayOnCPU(eager.graph, config.num_layers, config.page_size, max_graphs=1)
+    other_pool = pool.clone()
+    with torch.no_grad():
+        for batch in batches[:2]:
+            graphed(pool, batch)  # direct, then captured over `pool`
+        graphed(other_pool, batches[2])  # the graph reads `pool`'s address: dropped, runs direct
+    assert graphed.stats == {"compute_direct_calls": 2, "compute_graph_captures": 1, "compute_graph_calls": 1}
+
+
+def test_only_launch_bound_batches_are_padded_and_replayed(eager, config):
+    rng = np.random.default_rng(13)
+    batch = PagedBatch.from_requests([(rng.integers(1, 100, 40), 0, [1, 2], rng.integers(1, 100, 3))])
+    pool = torch.zeros(new_pool(config, 8).shape)
+    tight = ReplayOnCPU(eager.graph, config.num_layers, config.page_size, max_graphs=4,
+                        max_cells=GraphShape.covering(batch, config.page_size).cells(config.num_layers, config.page_size) - 1)
+    with torch.no_grad():
+        for _ in range(3):
+            tight(pool, batch)
+    assert tight.stats["compute_direct_calls"] == 3 and tight.stats["compute_graph_captures"] == 0
