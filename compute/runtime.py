@@ -9,6 +9,9 @@ eager ``nn.Module``. Both promise the same thing (docs/ARCHITECTURE.md):
   ``ValueError`` says what does not fit (nothing is written then);
 - returns float32 [C, num_tasks] on the pool's device, in the order of ``batch.candidates``.
 
+``load_compiled(..., cuda_graphs=N)`` on CUDA replays small batches from CUDA graphs at bucketed
+shapes (``compute.graphs``), with the same promises.
+
 ``load_compiled`` refuses a package whose build key does not match the folder's current config,
 weights, model source, torch version and device: serving stale weights under a new KV namespace
 would break invariant 2 of docs/ARCHITECTURE.md (content addressing).
@@ -16,6 +19,7 @@ would break invariant 2 of docs/ARCHITECTURE.md (content addressing).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -77,13 +81,15 @@ def load_compiled(model_dir: str | os.PathLike, device: str = "cpu", cuda_graphs
 
 
 class _CheckedRunner:
-    """``run(kv_pool, batch)``: check, then ``forward`` (a ``GraphedForward``) or one call of
-    ``graph`` (the compiled package or the module, which only reads the pool) and the write of
-    the new tokens' K/V rows it returns. ``stats``: the graphs' counters, empty without."""
+    """``run(kv_pool, batch)``: check the batch, then run it through ``graph`` (the compiled
+    package or the module, which only reads the pool, then the write of the new tokens' K/V rows
+    it returns; or a ``GraphedForward``, which does both itself). ``stats``: the CUDA graphs'
+    counters, empty without them."""
 
     def __init__(self, graph: Callable, config: HSTUConfig) -> None:
         self.graph = graph
         self.config = config
+        self._forward = graph if isinstance(graph, GraphedForward) else functools.partial(run_forward, graph)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -92,10 +98,7 @@ class _CheckedRunner:
     def __call__(self, kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         _check(kv_pool, batch, self.config)
         with torch.no_grad():
-            if isinstance(self.graph, GraphedForward):
-                return self.graph(kv_pool, batch)
-            return run_forward(self.graph, kv_pool, batch)
-
+            return self._forward(kv_pool, batch)
 
 
 def _check(kv_pool: torch.Tensor, batch: PagedBatch, config: HSTUConfig) -> None:
