@@ -31,8 +31,8 @@ owners publish `OWNER_PUBLISHED`, kv_offload `OFFLOAD_PUBLISHED`):
                        in flight; requests refused for want of pages (a retryable error)
   compute_graph_calls / compute_direct_calls -> hstu_compute_calls_total{path=cuda_graph|direct}
                        hstu_compute's compiled calls replayed from a CUDA graph or made directly (a
-                       batch too large for a graph, or a shape whose capture failed); counted only
-                       while CUDA graphs are on (HSTU_CUDA_GRAPHS > 0, on CUDA)
+                       batch too large for a graph, a shape's first batch, or a shape whose capture
+                       failed); counted only while CUDA graphs are on (HSTU_CUDA_GRAPHS > 0, on CUDA)
   compute_graph_captures -> hstu_compute_cuda_graph_captures_total
   stage_<s>_s_sum / stage_<s>_count -> hstu_kv_stage_seconds_{sum,count}{stage=<s>}
                        time spent per request in each stage of the KV lifecycle (STAGES)
@@ -79,7 +79,7 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "compute_direct_calls": ("hstu_compute_calls_total", "counter", "Compiled forward calls by how they ran",
                              {"path": "direct"}),
     "compute_graph_captures": ("hstu_compute_cuda_graph_captures_total", "counter",
-                               "CUDA graphs captured (one per bucketed batch shape, at its first batch)", {}),
+                               "CUDA graphs captured (one per bucketed batch shape, at its second batch)", {}),
 }
 
 # Stages of a request, each timed where it runs: lookup, allocate and onboard_launch (starting a
