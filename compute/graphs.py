@@ -51,11 +51,9 @@ CAPTURE_AFTER = 2
 # The smallest bucket of each kind of size: one graph then serves every batch of short runs. In
 # a launch-bound call the padding costs nothing measurable; with finer buckets (1.5x steps, no
 # minimum) the demo's trace needed a new graph for every second batch (285 captures in 555 calls
-# on an H100), and a simulation of its batches gives about 25 shapes for 1,000 batches of ~10
-# users with these.
+# on an H100). With these, its single requests fall in 6 shapes (python -m deploy.bench.graph_shapes).
 MIN_TOKENS, MIN_CANDIDATES, MIN_PAGES = 64, 64, 32
-# Graphs to keep when they are on (the compute bench's; serving takes --cuda-graphs): the simulated
-# trace above needs about 25.
+# Graphs to keep when they are on (the compute bench's; serving takes --cuda-graphs).
 CUDA_GRAPHS = 64
 GRAPH_STATS_KEYS = ("compute_graph_calls", "compute_direct_calls", "compute_graph_captures")
 PAD_TOKEN = 1  # a valid token id and item id for the extra users' inputs

@@ -19,7 +19,7 @@ import torch
 from compute import PagedBatch
 from compute.graphs import GraphedForward, GraphShape, _Captured, bucket, pad_batch, run_forward, unpad_outputs
 from compute.model import write_new_kv
-from paged_helpers import PageAllocator, fill_prefix, make_user, new_pool, suffix_request
+from paged_helpers import GPU_SMALL_CONFIG, PageAllocator, fill_prefix, make_user, new_pool, suffix_request
 
 
 def test_bucket_is_the_next_power_of_two_past_its_minimum():
@@ -154,3 +154,23 @@ def test_only_launch_bound_batches_are_padded_and_replayed(eager, config):
         for _ in range(3):
             tight(pool, batch)
     assert tight.stats["compute_direct_calls"] == 3 and tight.stats["compute_graph_captures"] == 0
+
+
+def test_graph_shapes_counts_a_trace_without_a_gpu():
+    """``python -m deploy.bench.graph_shapes``: the requests a trace sends, each batch's shape, and
+    how many batches would replay (the count behind the bucket minimums)."""
+    from compute import HSTUConfig
+    from deploy import trace as trace_module
+    from deploy.bench.graph_shapes import count_shapes, served_requests
+
+    config = HSTUConfig.load(GPU_SMALL_CONFIG)
+    trace = trace_module.generate(trace_module.TraceConfig(num_users=4, num_requests=40, initial_events_median=40))
+    requests = served_requests(config, trace)
+    assert [cached for _, cached, _, _ in requests[:4]].count(0) >= 1, "a user's first request is a miss"
+    for (new, cached, row, _), request in zip(requests, trace):
+        assert cached % config.page_size == 0 and cached + new.size == 2 * len(request.item_ids)
+        assert len(row) * config.page_size >= cached + new.size
+    ones = count_shapes(config, requests, batch_size=1, max_cells=1 << 40)
+    assert ones["batches"] == ones["graphable"] == 40
+    assert ones["replayed"] == 40 - ones["shapes"], "each shape's first batch runs directly"
+    assert count_shapes(config, requests, batch_size=8, max_cells=0)["graphable"] == 0
