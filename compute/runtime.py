@@ -31,7 +31,7 @@ from compute.batch import PagedBatch
 from compute.build import build_key, package_path, read_build_key
 from compute.checkpoint import load_model
 from compute.config import HSTUConfig
-from compute.graphs import GraphedForward, run_forward
+from compute.graphs import GRAPH_MAX_CELLS, GraphedForward, run_forward
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,14 @@ def load_eager(model_dir: str | os.PathLike, device: str = "cpu") -> Runner:
     return _CheckedRunner(model, model.config)
 
 
-def load_compiled(model_dir: str | os.PathLike, device: str = "cpu", cuda_graphs: int = 0) -> Runner:
+def load_compiled(model_dir: str | os.PathLike, device: str = "cpu", cuda_graphs: int = 0,
+                  graph_max_cells: int = GRAPH_MAX_CELLS) -> Runner:
     """Runner over the AOTI package ``hstu_<device>.pt2`` (``hstu-build`` writes it). Raises
     ``FileNotFoundError`` when it is missing and ``RuntimeError`` when it is stale.
 
-    ``cuda_graphs`` > 0 on a CUDA device: small batches replay CUDA graphs captured at bucketed
-    shapes, at most that many kept (``compute.graphs``); the runner is then for one thread."""
+    ``cuda_graphs`` > 0 on a CUDA device: batches of at most ``graph_max_cells`` padded replay
+    CUDA graphs captured at bucketed shapes, at most ``cuda_graphs`` kept (``compute.graphs``);
+    the runner is then for one thread."""
     folder = Path(model_dir)
     device_type = torch.device(device).type
     path = package_path(folder, device_type)
@@ -72,7 +74,9 @@ def load_compiled(model_dir: str | os.PathLike, device: str = "cpu", cuda_graphs
         compiled = torch._inductor.aoti_load_package(str(path))
     logger.info("loaded AOTI package %s (CUDA graphs: %s)", path, f"up to {graphs}" if graphs else "off")
     if graphs:
-        return _CheckedRunner(GraphedForward(compiled, config.num_layers, config.page_size, max_graphs=graphs), config)
+        graphed = GraphedForward(compiled, config.num_layers, config.page_size, max_graphs=graphs,
+                                 max_cells=graph_max_cells)
+        return _CheckedRunner(graphed, config)
     return _CheckedRunner(compiled, config)
 
 

@@ -7,13 +7,15 @@ costs its own tokens, not the KV pool's size.
 Cases, each with 16 new tokens and 64 candidates per user unless said otherwise, in a pool of
 ``--pool-pages`` pages:
 - B=1 with 256, 1,024 and 4,096 cached tokens (a device hit);
-- B=3, B=8 and B=32 users with 1,024 cached tokens each;
+- B=3, B=8 and B=32 users with 1,024 cached tokens each, and B=8 with 2,048 and 4,096;
 - a miss: B=1, 4,096 tokens all new;
 - the pool sweep: B=1, 1,024 cached tokens, against pools of 256 to ``--pool-pages`` pages:
   median call time and the peak memory a call allocates (CUDA), which must not grow with the pool.
 
 Each case runs the AOTI package and the eager module, and on CUDA the package replayed from
-CUDA graphs (``compute.graphs``; the first of the warm-up calls captures). The model folder is a scratch folder
+CUDA graphs (``compute.graphs``; the second warm-up call captures). Every case is replayed, with
+no limit on its padded size, so the table shows where a replay stops paying
+(``GRAPH_MAX_CELLS`` should sit there; the padded size is printed beside it). The model folder is a scratch folder
 (``/tmp/hstu-bench-compute-<config>`` by default) with ``max_history_events`` raised to 4,096, so
 the served model is never touched. Prints a table and writes
 ``compute-<date>-<device>-<config>.json`` under ``--report-dir`` (default ``deploy/reports/``).
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 
 from compute import HSTUConfig, PagedBatch, build, load_compiled, load_eager
-from compute.graphs import CUDA_GRAPHS
+from compute.graphs import CUDA_GRAPHS, GraphShape
 from compute.runtime import Runner
 from deploy.bench.report import write_dated_report
 
@@ -64,6 +66,8 @@ CASES = (
     Case("hit B=1 4096", 1, 4096),
     Case("hit B=3 1024", 3, 1024),
     Case("hit B=8 1024", 8, 1024),
+    Case("hit B=8 2048", 8, 2048),
+    Case("hit B=8 4096", 8, 4096),
     Case("hit B=32 1024", 32, 1024),
     Case("miss B=1 4096", 1, 0, new=4096),
 )
@@ -135,8 +139,8 @@ def main() -> int:
     build_s = time.perf_counter() - build_started
     cuda = options.device == "cuda"
     runners = {"aoti": load_compiled(model_dir, options.device), "eager": load_eager(model_dir, options.device)}
-    if cuda:  # the package replayed from CUDA graphs at bucketed shapes (hstu_compute's default)
-        runners["graphs"] = load_compiled(model_dir, options.device, cuda_graphs=CUDA_GRAPHS)
+    if cuda:  # the package replayed from CUDA graphs at bucketed shapes, every case (no cell limit)
+        runners["graphs"] = load_compiled(model_dir, options.device, cuda_graphs=CUDA_GRAPHS, graph_max_cells=1 << 62)
     rng = np.random.default_rng(0)
 
     pool = new_pool(config, options.pool_pages, options.device)
@@ -150,8 +154,13 @@ def main() -> int:
                "candidates": case.candidates}
         for name, run in runners.items():
             row[f"{name}_ms"] = median_call_ms(run, pool, batch, options.repeats)
+        padded = ""
+        if cuda:
+            row["padded_cells"] = GraphShape.covering(batch, config.page_size).cells(config.num_layers, config.page_size)
+            padded = f"   (padded for a graph: {row['padded_cells'] / 2**20:.1f}M cells)"
         cases.append(row)
-        print(f"  {case.name:<16} " + "   ".join(f"{name} {row[f'{name}_ms']:8.2f} ms" for name in runners), flush=True)
+        print(f"  {case.name:<16} " + "   ".join(f"{name} {row[f'{name}_ms']:8.2f} ms" for name in runners) + padded,
+              flush=True)
     del pool
 
     sweep = []
