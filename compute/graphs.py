@@ -161,21 +161,21 @@ class GraphedForward:
 
     def __call__(self, kv_pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         shape = GraphShape.covering(batch, self.page_size)
-        padded = pad_batch(batch, shape) if shape.cells(self.num_layers, self.page_size) <= self.max_cells else None
-        captured = None if padded is None else self._graph(kv_pool, shape, padded)
+        launch_bound = shape.cells(self.num_layers, self.page_size) <= self.max_cells
+        captured = self._graph(kv_pool, shape, batch) if launch_bound else None
         if captured is None:
             self.stats["compute_direct_calls"] += 1
             return run_forward(self.graph, kv_pool, batch)
-        captured.load(padded)
+        captured.load(pad_batch(batch, shape))
         captured.cuda_graph.replay()
         self.stats["compute_graph_calls"] += 1
         scores, kv_rows, kv_values = unpad_outputs(captured.outputs, batch, shape, self.num_layers)
         write_new_kv(kv_pool, kv_rows, kv_values)
         return scores.clone()  # the next replay overwrites the graph's own
 
-    def _graph(self, kv_pool: torch.Tensor, shape: GraphShape, padded: PagedBatch) -> "_Captured | None":
-        """The graph of ``shape``, captured now (over ``padded``) if its time has come; ``None``
-        while the batch runs directly."""
+    def _graph(self, kv_pool: torch.Tensor, shape: GraphShape, batch: PagedBatch) -> "_Captured | None":
+        """The graph of ``shape``, captured now (over ``batch`` padded) if its time has come;
+        ``None`` while the batch runs directly."""
         if self._pool_ptr != kv_pool.data_ptr():
             self._graphs.clear()
             self._pool_ptr = kv_pool.data_ptr()
@@ -187,7 +187,7 @@ class GraphedForward:
         if shape in self._uncapturable or self._batches_seen[shape] < CAPTURE_AFTER:
             return None
         try:
-            captured = self._capture(kv_pool, shape, padded)
+            captured = self._capture(kv_pool, shape, pad_batch(batch, shape))
         except Exception:
             logger.warning("CUDA graph capture failed for %s; that shape runs without a graph", shape, exc_info=True)
             self._uncapturable.add(shape)

@@ -45,6 +45,7 @@ class PageCopier:
         self.page_shape = host_page_shape(tuple(pool.shape))
         self._cuda = pool.is_cuda
         self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
+        self._pool_words = None if self._cuda else _word_rows(pool)  # [L, P, W]: the CPU path's view
 
     # -- public API ---------------------------------------------------------------------
 
@@ -54,7 +55,7 @@ class PageCopier:
             return
         pages = _pages_tensor(pool_pages)
         if not self._cuda:
-            pool_words, out_words = _word_rows(self.pool), _word_rows(out)  # [L, P, W], [N, L, W]
+            pool_words, out_words = self._pool_words, _word_rows(out)  # [L, P, W], [N, L, W]
             for start, row, length in _runs(rows):
                 run = pages[start:start + length]
                 for layer in range(pool_words.shape[0]):  # into the host rows themselves, no staging
@@ -76,7 +77,7 @@ class PageCopier:
             return
         pages = _pages_tensor(pool_pages)
         if not self._cuda:
-            pool_words, src_words = _word_rows(self.pool), _word_rows(src)  # [L, P, W], [N, L, W]
+            pool_words, src_words = self._pool_words, _word_rows(src)  # [L, P, W], [N, L, W]
             for start, row, length in _runs(rows):
                 run = pages[start:start + length]
                 for layer in range(pool_words.shape[0]):
