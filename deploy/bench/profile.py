@@ -58,8 +58,10 @@ def stub_processes(server_pid: int | None = None) -> dict[str, list[int]]:
     return dict(found)
 
 
-def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path, native: bool) -> dict[str, Path]:
-    """Sample every stub at once; the raw stacks file of each model (its instances together)."""
+def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path, native: bool,
+           idle: bool = False) -> dict[str, Path]:
+    """Sample every stub at once; the raw stacks file of each model (its instances together). With
+    `idle`, waiting threads are sampled too: where a thread's wall time goes, not only its CPU."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out_dir.mkdir(parents=True, exist_ok=True)
     running = []
@@ -71,6 +73,7 @@ def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path
                    "--duration", str(int(seconds)), "--pid", str(pid), "--output", str(out)]
             # native stacks need the process paused per sample; Python stacks alone do not
             cmd += ["--native"] if native else ["--nonblocking"]
+            cmd += ["--idle"] if idle else []
             running.append((model, out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     files: dict[str, Path] = {}
     for model, out, proc in running:
@@ -85,9 +88,9 @@ def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path
     return files
 
 
-def summarize(raw: Path, seconds: float, rate: int, top: int = 14) -> str:
-    """The model's CPU (cores busy), its threads' shares, and its hottest functions: self (the
-    sampled frame) and inclusive (anywhere on the stack)."""
+def summarize(raw: Path, seconds: float, rate: int, top: int = 14, idle: bool = False) -> str:
+    """The model's CPU (cores busy; with `idle`, threads sampled), its threads' shares, and its
+    hottest functions: self (the sampled frame) and inclusive (anywhere on the stack)."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
@@ -105,7 +108,8 @@ def summarize(raw: Path, seconds: float, rate: int, top: int = 14) -> str:
             inclusive[frame] += n
     if not total:
         return f"{raw.stem}: no samples (idle)"
-    lines = [f"{raw.stem}: {total} samples = {total / (seconds * rate):.2f} cores busy"]
+    unit = "threads sampled (idle included)" if idle else "cores busy"
+    lines = [f"{raw.stem}: {total} samples = {total / (seconds * rate):.2f} {unit}"]
     lines += [f"  thread {name}: {100 * n / total:.0f}%" for name, n in threads.most_common(6)]
     for title, counter in (("self", own), ("inclusive", inclusive)):
         lines.append(f"  {title}:")
@@ -113,15 +117,16 @@ def summarize(raw: Path, seconds: float, rate: int, top: int = 14) -> str:
     return "\n".join(lines)
 
 
-def profile_stubs(out_dir: Path, seconds: float, rate: int, native: bool, server_pid: int | None = None) -> bool:
+def profile_stubs(out_dir: Path, seconds: float, rate: int, native: bool, server_pid: int | None = None,
+                  idle: bool = False) -> bool:
     """Sample every stub (of `server_pid`'s server) and print each model's summary."""
     stubs = stub_processes(server_pid)
     if not stubs:
         print(f"no {STUB} process found: start tritonserver (hstu-serve, the demo) first", file=sys.stderr)
         return False
-    files = record(stubs, seconds, rate, out_dir, native)
+    files = record(stubs, seconds, rate, out_dir, native, idle)
     for model in sorted(files):
-        print(summarize(files[model], seconds * len(stubs[model]), rate), flush=True)
+        print(summarize(files[model], seconds * len(stubs[model]), rate, idle=idle), flush=True)
     return bool(files)
 
 
@@ -146,7 +151,7 @@ def serve_and_profile(args: argparse.Namespace) -> bool:
                 point = args.out_dir / f"{model}-c{c}"
                 before = read_model_stats(server.http_url)
                 sampler = threading.Timer(args.interval_ms / 1000, profile_stubs,
-                                          (point, args.seconds, args.rate, args.native, server.triton.pid))
+                                          (point, args.seconds, args.rate, args.native, server.triton.pid, args.idle))
                 sampler.start()
                 result = run_perf_analyzer(server.grpc_url, model, c, data, point.with_suffix(".csv"),
                                            args.interval_ms)
@@ -177,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("deploy/reports/profile"))
     parser.add_argument("--server-pid", type=int, help="only this tritonserver's models (default: every stub)")
     parser.add_argument("--native", action="store_true", help="also C/C++ frames (the stub's IPC, torch)")
+    parser.add_argument("--idle", action="store_true",
+                        help="also sample waiting threads: where each thread's wall time goes (a wait on the GPU, "
+                             "a lock, the GIL), not only where it runs")
     serve = parser.add_argument_group("--serve: start a server and load it with perf_analyzer")
     serve.add_argument("--serve", action="store_true")
     serve.add_argument("--models", nargs="+", choices=(ENSEMBLE, MONOLITHIC), default=[ENSEMBLE, MONOLITHIC])
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve:
         return 0 if serve_and_profile(args) else 1
-    return 0 if profile_stubs(args.out_dir, args.seconds, args.rate, args.native, args.server_pid) else 1
+    return 0 if profile_stubs(args.out_dir, args.seconds, args.rate, args.native, args.server_pid, args.idle) else 1
 
 
 if __name__ == "__main__":
