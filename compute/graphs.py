@@ -42,9 +42,10 @@ __all__ = ["CUDA_GRAPHS", "GRAPH_MAX_CELLS", "GRAPH_STATS_KEYS", "GraphShape", "
 
 # A batch is replayed from a graph only while its padded forward is at most this many cells (one
 # query x key product of one layer): a launch-bound call. Past it the GPU's work hides the
-# launches, and padding only adds to it: on an H100 (small config) 32 users of 1,024 cached
-# tokens (8M cells) took 1.76 ms called directly and 1.97 ms padded to 11.8M cells and replayed.
-GRAPH_MAX_CELLS = 8 * 1024 * 1024
+# launches, and padding only adds to it. On an H100 (small config, deploy.bench.compute, direct
+# vs replayed): 1.5M cells 1.09 vs 0.60 ms, 3.0M 1.32 vs 0.84; at 6.0M it depends on the batch
+# (one user of 4,096 tokens 1.12 vs 1.32, eight of 1,024 1.30 vs 1.16); 12M 1.30 vs 1.86.
+GRAPH_MAX_CELLS = 4 * 1024 * 1024
 # A shape is captured at its second batch: a capture costs several forwards, so a shape seen once
 # (a rare mix of users) runs directly instead.
 CAPTURE_AFTER = 2
