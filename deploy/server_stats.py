@@ -133,9 +133,14 @@ def read_model_stats(http_url: str) -> dict[str, ModelStats]:
     return out
 
 
-def hop_stats(before: dict[str, ModelStats], after: dict[str, ModelStats]) -> dict[str, HopStats]:
+def hop_stats(before: dict[str, ModelStats], after: dict[str, ModelStats],
+              models: tuple[str, ...] | None = None) -> dict[str, HopStats]:
+    """Each model's requests and times between two reads (only `models`, when given: a window's
+    own models, so that a late-counted request of another model is not read as one of them)."""
     out = {}
     for name, a in after.items():
+        if models is not None and name not in models:
+            continue
         b = before.get(name)
         if b is None or a.success.count <= b.success.count:
             continue

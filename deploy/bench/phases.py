@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from deploy.bench.config import MODELS, BenchConfig, ServedModel
-from deploy.bench.metric_waits import drain_offloads, lookup_owner, lookups_published, lookups_total
+from deploy.bench.metric_waits import (MODELS_CALLED, drain_offloads, lookup_owner, lookups_published, lookups_total,
+                                       stats_counted)
 from deploy.bench.perf_analyzer import run_perf_analyzer
 from deploy.bench.results import (CacheCase, CacheModelRow, CacheRow, DeviceHit, HopOverhead, HostHitLoad,
                                   HostHitSides, MeasuredRun, OffloadComparison, OffloadSides, PerfAnalyzerPoint, PhaseResults, RunsSummary,
@@ -344,7 +345,10 @@ class Bench:
     def _sequential_blocks(self, block_requests) -> dict[str, RunsSummary]:
         """`repeats` blocks per model, interleaved (ABBA): `block_requests(client)` does any priming and
         returns the requests to time, which are sent one after another; Triton's statistics are
-        read around them."""
+        read around them, each read once Triton has counted the requests before it
+        (`stats_counted`), and only the block's own models kept. What is left: when the read
+        before a block's priming still lacked the request before it, the block's window may count
+        the priming's last request (one request more in its means, never another model's)."""
         blocks: dict[str, list[MeasuredRun]] = {m: [] for m in MODELS}
         clients = {m: RankingClient(self.server.grpc_url, model=m, timeout_s=120) for m in MODELS}
         try:
@@ -353,8 +357,11 @@ class Bench:
                     clients[model].score(self._tiny())
             for r in range(self.cfg.repeats):
                 for model in models_in_turn(r):
-                    requests = block_requests(clients[model])
-                    before = read_model_stats(self.server.http_url)
+                    unprimed = read_model_stats(self.server.http_url)
+                    priming = _CountingClient(clients[model])
+                    requests = block_requests(priming)
+                    # the priming's requests counted before the window opens, the window's before it closes
+                    before = stats_counted(self.server, unprimed, model, priming.calls)
                     latencies, served = [], []
                     for request in requests:
                         t0 = time.perf_counter()
@@ -362,7 +369,8 @@ class Bench:
                         latencies.append(time.perf_counter() - t0)
                     run = ReplayResult(latencies_s=latencies, scores=dict(enumerate(served)),
                                        wall_s=sum(latencies))
-                    hops = hop_stats(before, read_model_stats(self.server.http_url))
+                    hops = hop_stats(before, stats_counted(self.server, before, model, len(requests)),
+                                     MODELS_CALLED[model])
                     if self.scores is not None:
                         self.scores.check(requests, served)
                     blocks[model].append(MeasuredRun.of(run, hops, lookups=None))
@@ -398,6 +406,18 @@ class Bench:
         return RankingRequest(self._user(), self._rng.integers(1, m.item_vocab, 2).tolist(),
                               self._rng.integers(0, m.action_vocab, 2).tolist(),
                               self._rng.integers(1, m.item_vocab, 1).tolist())
+
+
+class _CountingClient:
+    """A client's `score`, counting the calls (the requests a block's priming sent)."""
+
+    def __init__(self, client: RankingClient) -> None:
+        self.client = client
+        self.calls = 0
+
+    def score(self, request: RankingRequest):
+        self.calls += 1
+        return self.client.score(request)
 
 
 def models_in_turn(r: int) -> tuple[str, str]:
