@@ -60,6 +60,7 @@ class PagedBatch:
         Raises ``ValueError`` naming the user and field for a malformed entry."""
         if len(requests) == 0:
             raise ValueError("PagedBatch.from_requests: expected at least one request, got none")
+        # numpy until the end: a torch op costs microseconds of dispatch, a numpy one a fraction
         tokens, cands, rows, cached = [], [], [], []
         for b, request in enumerate(requests):
             if len(request) != 4:
@@ -72,19 +73,18 @@ class PagedBatch:
             cached.append(int(cached_len))
             if cached[-1] < 0:
                 raise ValueError(f"request {b} cached_len: expected >= 0, got {cached[-1]}")
-            if cands[-1].numel() == 0:
+            if cands[-1].size == 0:
                 raise ValueError(f"request {b} candidate_ids: expected at least one candidate, got none")
-        max_pages = max(1, max(row.numel() for row in rows))
-        page_table = torch.zeros(len(rows), max_pages, dtype=torch.int64)  # [B, max_pages]
+        page_table = np.zeros((len(rows), max(1, max(row.size for row in rows))), dtype=np.int64)  # [B, max_pages]
         for b, row in enumerate(rows):
-            page_table[b, :row.numel()] = row
+            page_table[b, :row.size] = row
         return cls(
-            new_tokens=torch.cat(tokens),
-            new_offsets=_offsets([t.numel() for t in tokens]),
+            new_tokens=torch.from_numpy(np.concatenate(tokens)),
+            new_offsets=_offsets([t.size for t in tokens]),
             cached_lens=torch.tensor(cached, dtype=torch.int64),
-            page_table=page_table,
-            candidates=torch.cat(cands),
-            cand_offsets=_offsets([c.numel() for c in cands]),
+            page_table=torch.from_numpy(page_table),
+            candidates=torch.from_numpy(np.concatenate(cands)),
+            cand_offsets=_offsets([c.size for c in cands]),
         )
 
     @property
@@ -93,27 +93,29 @@ class PagedBatch:
 
     def check(self, kv_pool: torch.Tensor, page_size: int, vocab_size: int, item_vocab: int) -> str | None:
         """``None`` when the batch fits the pool ``[L, P, 2, S, H, D]`` and the token space,
-        else a message naming the user and what is wrong. Runs on the host, O(B + T + C)."""
+        else a message naming the user and what is wrong. Runs on the host (a batch of CPU
+        tensors), O(B + T + C), in numpy."""
         num_pages, pool_page_size = kv_pool.shape[1], kv_pool.shape[3]
         if pool_page_size != page_size:
             return f"kv_pool: expected page_size {page_size} on dim 3, got {pool_page_size}"
         if not self._rows_fit(num_pages, page_size):  # one pass over the batch; the loop names the user
             return self._row_problem(num_pages, page_size)
-        if self.new_tokens.numel() and (int(self.new_tokens.min()) < 1 or int(self.new_tokens.max()) >= vocab_size):
+        new_tokens, candidates = self.new_tokens.numpy(), self.candidates.numpy()
+        if new_tokens.size and (new_tokens.min() < 1 or new_tokens.max() >= vocab_size):
             return f"new_tokens: expected token ids in [1, {vocab_size - 1}]"
-        if int(self.candidates.min()) < 1 or int(self.candidates.max()) >= item_vocab:
+        if candidates.min() < 1 or candidates.max() >= item_vocab:
             return f"candidates: expected item ids in [1, {item_vocab - 1}]"
         return None
 
     def _rows_fit(self, num_pages: int, page_size: int) -> bool:
         """Whether every user's cached_len is whole pages and its page row covers its tokens with
         page ids of the pool."""
-        new_lens = self.new_offsets[1:] - self.new_offsets[:-1]
-        needed = (self.cached_lens + new_lens + page_size - 1) // page_size
-        if bool((self.cached_lens % page_size != 0).any()) or int(needed.max()) > self.page_table.shape[1]:
+        cached, table = self.cached_lens.numpy(), self.page_table.numpy()
+        needed = (cached + np.diff(self.new_offsets.numpy()) + page_size - 1) // page_size
+        if (cached % page_size != 0).any() or needed.max() > table.shape[1]:
             return False
-        used = torch.arange(self.page_table.shape[1]) < needed[:, None]
-        return not bool((used & ((self.page_table < 0) | (self.page_table >= num_pages))).any())
+        used = np.arange(table.shape[1]) < needed[:, None]
+        return not (used & ((table < 0) | (table >= num_pages))).any()
 
     def _row_problem(self, num_pages: int, page_size: int) -> str | None:
         new_lens = (self.new_offsets[1:] - self.new_offsets[:-1]).tolist()
@@ -220,14 +222,14 @@ def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
 # helpers
 
 
-def _int64_1d(values: _IntSeq, name: str) -> torch.Tensor:
+def _int64_1d(values: _IntSeq, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
-        tensor = values.detach().cpu()
+        array = values.numpy(force=True)  # a view of a CPU tensor's memory
     else:
-        tensor = torch.as_tensor(np.asarray(values, dtype=np.int64))
-    if tensor.dtype != torch.int64 or tensor.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D int64 sequence, got {tensor.dtype} {tuple(tensor.shape)}")
-    return tensor
+        array = np.asarray(values, dtype=np.int64)
+    if array.dtype != np.int64 or array.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D int64 sequence, got {array.dtype} {tuple(array.shape)}")
+    return array
 
 
 def _packed_starts(parts: Sequence[torch.Tensor]) -> list[int]:
@@ -240,6 +242,6 @@ def _packed_starts(parts: Sequence[torch.Tensor]) -> list[int]:
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
     """int64 [B+1] exclusive prefix sums of ``lengths``."""
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return offsets
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return torch.from_numpy(offsets)

@@ -40,17 +40,18 @@ class ComputePlan(NamedTuple):
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> "ComputePlan":
         """Raises ``ValueError`` when ``flat`` is not a plan (a bug upstream, never a client's)."""
-        flat = flat.reshape(-1)
-        if flat.numel() < HEADER:
-            raise ValueError(f"compute_plan: expected at least {HEADER} values, got {flat.numel()}")
-        cached_len, onboard_len, tag, lease_id, n, p = flat[:HEADER].tolist()
-        if n < 0 or p < 0 or HEADER + n + p > flat.numel():
-            raise ValueError(f"compute_plan: {n} new tokens and {p} pages do not fit in {flat.numel()} values")
+        values = flat.numpy().reshape(-1)  # sliced in numpy: a fraction of torch's per-op cost
+        if values.size < HEADER:
+            raise ValueError(f"compute_plan: expected at least {HEADER} values, got {values.size}")
+        cached_len, onboard_len, tag, lease_id, n, p = values[:HEADER].tolist()
+        if n < 0 or p < 0 or HEADER + n + p > values.size:
+            raise ValueError(f"compute_plan: {n} new tokens and {p} pages do not fit in {values.size} values")
         if not 0 <= onboard_len <= cached_len:  # the owner writes onboard_len <= cached_len, both >= 0
             raise ValueError(f"compute_plan: onboard_len {onboard_len} outside [0, cached_len {cached_len}]")
-        body = flat[HEADER:]
-        return cls(new_tokens=body[:n], cached_len=cached_len, onboard_len=onboard_len, page_row=body[n:n + p],
-                   candidates=body[n + p:], namespace_tag=tag, lease_id=lease_id)
+        new_end, row_end = HEADER + n, HEADER + n + p
+        return cls(new_tokens=torch.from_numpy(values[HEADER:new_end]), cached_len=cached_len,
+                   onboard_len=onboard_len, page_row=torch.from_numpy(values[new_end:row_end]),
+                   candidates=torch.from_numpy(values[row_end:]), namespace_tag=tag, lease_id=lease_id)
 
     @staticmethod
     def lease_id_of(flat: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ any one changed word changes it, unless by a multiple of 2**24.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MODULUS = 1 << 24  # float32 holds every integer below it exactly
@@ -22,22 +23,23 @@ def seal(scores: torch.Tensor) -> torch.Tensor:
 
 
 def seal_batch(scores: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    """``seal`` of each request's rows of a batch's ``[sum c, num_tasks]`` scores (``counts``:
-    each request's c, in order), in a few tensor ops for the whole batch (no indexed writes: on
-    the GPU host one index_put cost more than the rest of the forward thread's work)."""
-    tasks = scores.shape[1]
-    sizes = torch.tensor(counts, dtype=torch.int64)
-    ends = sizes.cumsum(0)
+    """``seal`` of each request's rows of a batch's ``[sum c, num_tasks]`` float32 host scores
+    (``counts``: each request's c, in order), for the whole batch at once in numpy (a torch op
+    per request costs more in dispatch than the rows' copy; torch's indexed writes woke its
+    thread pool on the GPU host)."""
+    rows = scores.contiguous().numpy()
+    sizes = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(sizes)
     # each request's checksum: a prefix sum of the rows' bit-pattern sums, read at its bounds
-    bits = torch.cat([torch.zeros(1, dtype=torch.int64),
-                      scores.contiguous().view(torch.int32).to(torch.int64).sum(dim=1).cumsum(0)])
-    checks = torch.zeros(len(counts), tasks, dtype=torch.float32)
-    checks[:, 0] = ((bits[ends] - bits[ends - sizes]) % _MODULUS).to(torch.float32)
-    if tasks > 1:
-        checks[:, 1] = sizes.to(torch.float32)
-    parts = torch.split(scores, counts)
-    sealed = torch.cat([row for part, check in zip(parts, torch.split(checks, 1)) for row in (part, check)])
-    return list(torch.split(sealed, [c + 1 for c in counts]))
+    bits = np.concatenate([[0], rows.view(np.int32).astype(np.int64).sum(axis=1).cumsum()])
+    sealed = np.zeros((rows.shape[0] + len(counts), rows.shape[1]), dtype=np.float32)
+    check_rows = ends + np.arange(len(counts))  # request b's rows, then its check row, then b + 1's
+    sealed[np.arange(rows.shape[0]) + np.repeat(np.arange(len(counts)), sizes)] = rows
+    sealed[check_rows, 0] = (bits[ends] - bits[ends - sizes]) % _MODULUS
+    if rows.shape[1] > 1:
+        sealed[check_rows, 1] = sizes
+    sealed_tensor = torch.from_numpy(sealed)
+    return [sealed_tensor[end - size:end + 1] for end, size in zip(check_rows.tolist(), counts)]
 
 
 def unseal(sealed: torch.Tensor) -> torch.Tensor | None:
