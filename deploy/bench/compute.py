@@ -15,7 +15,9 @@ Cases, each with 16 new tokens and 64 candidates per user unless said otherwise,
 Each case runs the AOTI package and the eager module, and on CUDA the package replayed from
 CUDA graphs (``compute.graphs``; the second warm-up call captures). Every case is replayed, with
 no limit on its padded size, so the table shows where a replay stops paying
-(``GRAPH_MAX_CELLS`` should sit there; the padded size is printed beside it). The model folder is a scratch folder
+(``GRAPH_MAX_CELLS`` should sit there; the padded size is printed beside it). ``single_thr`` calls
+the package loaded for graphs (``run_single_threaded``) directly, as served batches past the limit
+are: served with graphs on, such batches took longer than with graphs off. The model folder is a scratch folder
 (``/tmp/hstu-bench-compute-<config>`` by default) with ``max_history_events`` raised to 4,096, so
 the served model is never touched. Prints a table and writes
 ``compute-<date>-<device>-<config>.json`` under ``--report-dir`` (default ``deploy/reports/``).
@@ -139,8 +141,12 @@ def main() -> int:
     build_s = time.perf_counter() - build_started
     cuda = options.device == "cuda"
     runners = {"aoti": load_compiled(model_dir, options.device), "eager": load_eager(model_dir, options.device)}
-    if cuda:  # the package replayed from CUDA graphs at bucketed shapes, every case (no cell limit)
+    if cuda:
+        # the package replayed from CUDA graphs at bucketed shapes, every case (no cell limit); and
+        # the same loader with no batch replayed: a direct call of a package loaded
+        # run_single_threaded, which served batches too big for a graph take when graphs are on
         runners["graphs"] = load_compiled(model_dir, options.device, cuda_graphs=CUDA_GRAPHS, graph_max_cells=1 << 62)
+        runners["single_thr"] = load_compiled(model_dir, options.device, cuda_graphs=CUDA_GRAPHS, graph_max_cells=0)
     rng = np.random.default_rng(0)
 
     pool = new_pool(config, options.pool_pages, options.device)
