@@ -8,7 +8,8 @@
 #   stress   tests.reliability.stress on the GPU ($STRESS_SECONDS, default 240; 48 unary streams over the
 #            soak's small pool: host hits, evictions, offloads; every 50th answer checked; exit 1 on a
 #            failed request, a wrong score or a crash)
-#   compute  the compute benchmark of each GPU config (deploy/bench/compute.py)
+#   compute  the compute benchmark of each GPU config (deploy/bench/compute.py), and hstu_compute's
+#            host work per batch on this host's cores (deploy/bench/host_work.py)
 #   serve    sweep, pooldemo and bench, for each GPU config:
 #   sweep    the ensemble vs monolithic demo sweep (c=1..128 over 128 users, so that c=128 keeps
 #            128 requests in flight (a user's requests run in order); every score checked at every
@@ -80,6 +81,9 @@ for stage in "${STAGES[@]}"; do
     for name in $CONFIGS; do
       python3 -m deploy.bench.compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+      # hstu_compute's Python around the call, on this host's cores (seconds)
+      python3 -m deploy.bench.host_work --pinned --model-config "deploy/configs/gpu_${name}_bf16.json" \
+        --report-dir "$OUT" || status=1
     done
   fi
   if [ "$stage" = flexkv ]; then
