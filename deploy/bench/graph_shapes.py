@@ -44,6 +44,14 @@ def served_requests(config: HSTUConfig, trace: list) -> list[tuple[np.ndarray, i
     return out
 
 
+def demo_requests(config: HSTUConfig, users: int, requests: int, median_events: float) -> list:
+    """``served_requests`` of the demo's synthetic trace of ``requests`` requests by ``users`` users."""
+    trace = trace_module.generate(trace_module.TraceConfig(
+        num_users=users, num_requests=requests, initial_events_median=median_events,
+        max_history_events=config.max_history_events, item_vocab=config.item_vocab, action_vocab=config.action_vocab))
+    return served_requests(config, trace)
+
+
 def count_shapes(config: HSTUConfig, requests: list, batch_size: int, max_cells: int) -> dict[str, int]:
     """Batches of ``batch_size`` consecutive requests: how many could replay, in how many shapes,
     and how many would replay once their shape is captured."""
@@ -75,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
 
     config = HSTUConfig.load(options.model_config)
-    trace = trace_module.generate(trace_module.TraceConfig(
-        num_users=options.users, num_requests=options.requests, initial_events_median=options.median_events,
-        max_history_events=config.max_history_events, item_vocab=config.item_vocab, action_vocab=config.action_vocab))
-    requests = served_requests(config, trace)
+    requests = demo_requests(config, options.users, options.requests, options.median_events)
     print(f"{options.model_config.stem}: {options.requests} requests of {options.users} users, "
           f"graphs up to {options.max_cells / 2**20:.0f}M padded cells, captured at a shape's batch {CAPTURE_AFTER}")
     rows = []

@@ -27,8 +27,7 @@ import torch
 
 from compute import HSTUConfig, PagedBatch
 from compute.batch import CALL_CELLS, plan_sub_batches
-from deploy import trace as trace_module
-from deploy.bench.graph_shapes import served_requests
+from deploy.bench.graph_shapes import demo_requests
 from deploy.bench.report import write_dated_report
 from deploy.runtime import sealed_scores
 from deploy.runtime.compute_plan import ComputePlan
@@ -93,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as hstu_compute on a GPU host
     config = HSTUConfig.load(options.model_config)
-    trace = trace_module.generate(trace_module.TraceConfig(
-        num_users=options.users, num_requests=options.requests, initial_events_median=options.median_events,
-        max_history_events=config.max_history_events, item_vocab=config.item_vocab, action_vocab=config.action_vocab))
-    requests = served_requests(config, trace)
+    requests = demo_requests(config, options.users, options.requests, options.median_events)
     flat_plans = plans_of(requests)
     # the checks read the pool's shape only: a pool as wide as the widest page id, one element per page
     pages = max(max(row, default=0) for _, _, row, _ in requests) + 1
