@@ -41,7 +41,6 @@ def measure(batch_size: int, num_requests: int, num_users: int, pool_pages: int)
                     num_heads=config.num_heads, head_dim=config.head_dim, dtype=config.dtype)
     manager = KVCacheManager(spec, "bench")
     handle = ops.register(manager)
-    ops.warm_up(handle)
     kv = torch.ops.kvlifecycle
     trace = trace_module.generate(trace_module.TraceConfig(num_users=num_users, num_requests=num_requests,
                                                            initial_events_median=300))

@@ -66,7 +66,6 @@ class TritonPythonModel:
         self.control = ControlServer(self.cache.manager, self.settings.control_endpoint)
         self.ops = torch.ops.kvlifecycle  # the serving path: lookup, allocate, onboard_launch of a batch
         self.ops_handle = ops.register(self.cache.manager)
-        ops.warm_up(self.ops_handle)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
                                  [*OWNER_PUBLISHED, *stage_keys("lookup", "allocate", "onboard_launch")],

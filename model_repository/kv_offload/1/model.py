@@ -56,7 +56,6 @@ class TritonPythonModel:
         self.worker.start()
         self.ops = torch.ops.kvlifecycle
         self.ops_handle = ops.register(self.control, self.worker)  # offload_launch: commit, then put on the worker
-        ops.warm_up(self.ops_handle)
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], [*OFFLOAD_PUBLISHED, *stage_keys("commit")],
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
