@@ -117,14 +117,12 @@ def _split_arrays(tokens: torch.Tensor, offsets: torch.Tensor) -> list[np.ndarra
 # a call against 2.4 for a trivial op on the CPU machine, and 4-6% of kv_lookup_alloc's main
 # thread at c=32 (py-spy). The schemas declare no mutation, as custom_op's mutates_args=() did.
 _LIBRARY = torch.library.Library("kvlifecycle", "DEF")  # lives as long as the process: the ops with it
-_SCHEMAS = {
-    "lookup": "lookup(int handle, Tensor user_ids, Tensor tokens, Tensor offsets) -> Tensor",
-    "allocate": ("allocate(int handle, Tensor user_ids, Tensor tokens, Tensor offsets, Tensor hits, float ttl_s)"
-                 " -> (Tensor, Tensor)"),
-    "onboard_launch": "onboard_launch(int handle, Tensor leases) -> Tensor",
-    "offload_launch": "offload_launch(int handle, Tensor lease_ids, Tensor tokens, Tensor offsets) -> Tensor",
-}
-for _schema in _SCHEMAS.values():
+for _schema in (
+    "lookup(int handle, Tensor user_ids, Tensor tokens, Tensor offsets) -> Tensor",
+    "allocate(int handle, Tensor user_ids, Tensor tokens, Tensor offsets, Tensor hits, float ttl_s) -> (Tensor, Tensor)",
+    "onboard_launch(int handle, Tensor leases) -> Tensor",
+    "offload_launch(int handle, Tensor lease_ids, Tensor tokens, Tensor offsets) -> Tensor",
+):
     _LIBRARY.define(_schema)
 
 
