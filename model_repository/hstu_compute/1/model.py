@@ -25,8 +25,8 @@ one `execute` at a time); the settler only waits on the control plane. One threa
 OpenMP (the CPU package's intra-op threads) gives each OS thread that starts a parallel region a
 thread team of its own, and with more team threads than cores every barrier sleeps instead of
 spinning: once a second thread had computed too, every call of the CPU package took 2.5x as long
-on the 2-core CPU machine. Computing on `execute`'s own thread, rather than handing the batch to
-a thread of its own, saves two thread wake-ups per batch (about 0.65 ms on the H100 host at c=1).
+on the 2-core CPU machine. Computing on `execute`'s own thread rather than on a thread of its own
+is the simpler of the two, and measured no slower (docs/ARCHITECTURE.md, hstu_compute).
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
