@@ -84,6 +84,7 @@ def record(stubs: dict[str, list[int]], seconds: float, rate: int, out_dir: Path
         merged = out_dir / f"{model}.txt"
         with merged.open("a") as f:
             f.write(out.read_text())
+        out.unlink()  # one file per model: a GPU host returns a limited number of files per call
         files[model] = merged
     return files
 
