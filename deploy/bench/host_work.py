@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     config = HSTUConfig.load(options.model_config)
     requests = demo_requests(config, options.users, options.requests, options.median_events)
     flat_plans = plans_of(requests)
-    # the checks read the pool's shape only: a pool as wide as the widest page id, one element per page
+    # the checks read the pool's shape only: one element viewed as a pool as wide as the widest page id
     pages = max(max(row, default=0) for _, _, row, _ in requests) + 1
     pool = torch.empty(1).expand(config.num_layers, pages, 2, config.page_size, config.num_heads, config.head_dim)
     print(f"{options.model_config.stem}: host work per batch in us (median of {options.repeats}), "
