@@ -31,7 +31,7 @@ def seal_batch(scores: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     sizes = np.asarray(counts, dtype=np.int64)
     ends = np.cumsum(sizes)
     # each request's checksum: a prefix sum of the rows' bit-pattern sums, read at its bounds
-    bits = np.concatenate([[0], rows.view(np.int32).astype(np.int64).sum(axis=1).cumsum()])
+    bits = np.concatenate([[0], _bit_patterns(rows).sum(axis=1).cumsum()])
     sealed = np.zeros((rows.shape[0] + len(counts), rows.shape[1]), dtype=np.float32)
     check_rows = ends + np.arange(len(counts))  # request b's rows, then its check row, then b + 1's
     sealed[np.arange(rows.shape[0]) + np.repeat(np.arange(len(counts)), sizes)] = rows
@@ -53,4 +53,9 @@ def unseal(sealed: torch.Tensor) -> torch.Tensor | None:
 
 
 def _checksum(scores: np.ndarray) -> int:
-    return int(scores.view(np.int32).astype(np.int64).sum()) % _MODULUS
+    return int(_bit_patterns(scores).sum()) % _MODULUS
+
+
+def _bit_patterns(scores: np.ndarray) -> np.ndarray:
+    """The float32 scores' bit patterns as int64 (what seal and unseal sum)."""
+    return scores.view(np.int32).astype(np.int64)
