@@ -2,11 +2,14 @@
 tokens, the custom ops lookup, allocate and onboard_launch, the plans packed) and kv_offload's
 commit, on a synthetic trace, with no host store.
 
-    python -m deploy.bench.owner [--batch 8] [--requests 6000] [--users 128] [--report-dir deploy/reports]
+    python -m deploy.bench.owner [--batch 8] [--requests 6000] [--users 128] [--idle-ms 3] [--report-dir deploy/reports]
 
 The owner is one process with one GIL, so this cost bounds the ensemble's throughput (the stub's
 shared-memory I/O and Triton's own work come on top: `deploy/bench/profile.py` shows both). Prints
-microseconds per request per step, and writes `owner-<date>-cpu.json`.
+microseconds per request per step, and writes `owner-<date>-cpu.json`. `--idle-ms` sleeps that long
+before each batch, as a step of a lightly loaded ensemble sleeps between requests: at c=1 each
+step waits about 3 ms for the others, and a thread that wakes from such a sleep runs slower than
+one in a hot loop (measured here: 149 us per request hot against 296 us after 3 ms idle).
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ STEPS = ("tokens", "lookup", "allocate", "onboard_launch", "pack", "commit")
 WARM_BATCHES = 60  # the first batches fill the cache (misses): not timed
 
 
-def measure(batch_size: int, num_requests: int, num_users: int, pool_pages: int) -> dict[str, float]:
-    """Microseconds per request of each of STEPS, over the trace's batches after the warm ones."""
+def measure(batch_size: int, num_requests: int, num_users: int, pool_pages: int,
+            idle_s: float = 0.0) -> dict[str, float]:
+    """Microseconds per request of each of STEPS, over the trace's batches after the warm ones;
+    `idle_s` asleep before each batch."""
     torch.set_num_threads(1)  # as kv_lookup_alloc runs
     config = HSTUConfig.load(DEFAULT_MODEL_DIR)
     spec = PoolSpec(num_layers=config.num_layers, num_pages=pool_pages, page_size=config.page_size,
@@ -50,6 +55,8 @@ def measure(batch_size: int, num_requests: int, num_users: int, pool_pages: int)
         seen: set[int] = set()  # a user once per batch, as one client per user sends
         batch = [r for r in trace[start:start + batch_size] if not (r.user_id in seen or seen.add(r.user_id))]
         inputs = [tuple(torch.tensor(x) for x in (r.item_ids, r.action_ids, r.candidate_ids)) for r in batch]
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         tokens = history_tokens_many([(items, actions) for items, actions, _ in inputs], config)
         user_ids = torch.tensor([r.user_id for r in batch])
@@ -84,16 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=6000)
     p.add_argument("--users", type=int, default=128)
     p.add_argument("--pool-pages", type=int, default=32768)
+    p.add_argument("--idle-ms", type=float, default=0.0, help="sleep before each batch (a lightly loaded step's idle time)")
     p.add_argument("--report-dir", type=Path, default=Path(__file__).resolve().parents[1] / "reports")
     a = p.parse_args(argv)
     results = {}
     for batch_size in a.batch:
-        us = measure(batch_size, a.requests, a.users, a.pool_pages)
+        us = measure(batch_size, a.requests, a.users, a.pool_pages, a.idle_ms / 1e3)
         results[batch_size] = us
-        print(f"batch {batch_size:3d}: " + ", ".join(f"{step} {v:.1f}" for step, v in us.items())
+        print(f"batch {batch_size:3d}{f' after {a.idle_ms:g} ms idle' if a.idle_ms else ''}: " + ", ".join(f"{step} {v:.1f}" for step, v in us.items())
               + f"; total {sum(us.values()):.1f} us per request")
     write_dated_report(a.report_dir, "owner", "cpu", {"machine": platform.processor() or platform.machine(),
-                                                      "command": sys.argv, "us_per_request": results})
+                                                      "command": sys.argv, "idle_ms": a.idle_ms,
+                                                      "us_per_request": results})
     return 0
 
 
