@@ -7,7 +7,10 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 
 - ``commit_many(lease_ids) -> list[Committed]``: each lease's new full pages become visible, in
   one round trip for the batch; each names the lease's namespace with its pages, pinned until
-  ``offload_done``.
+  ``offload_done``. kv_offload announces its commits without the round trip instead
+  (``kvlifecycle.commit_channel``: a datagram to the server's commit inbox, applied by this
+  thread and by the owner's ``drain_commits()`` before each lookup; the ``Committed`` go back to
+  the endpoint the datagram names) and uses this call only when the inbox cannot take one.
 - ``offload_done(page_ids, ok) -> int``: drop offload pins (after the put was reaped).
 - ``abort(lease_id) -> bool``: return every page of a lease (failure, cancellation).
 - ``onboard_wait(lease_ids) -> list[OnboardOutcome]``: once the onboard of every lease (started
@@ -37,6 +40,7 @@ call at a time).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -45,11 +49,14 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
+from kvlifecycle.commit_channel import CommitInbox
 from kvlifecycle.housekeeping import OwnerHousekeeping
 from kvlifecycle.leases import Lease
 from kvlifecycle.manager import KVCacheManager
 from kvlifecycle.page_table import Committed
-from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, decode, prepare_ipc_dir
+from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus, answer, decode, encode, prepare_ipc_dir
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ControlClient", "ControlError", "ControlServer", "ControlTimeout", "OnboardOutcome"]
 
@@ -101,6 +108,12 @@ class ControlServer:
         self._onboard_waits: list[tuple[list[bytes], list[int]]] = []  # (request frames, lease ids)
         self._bind_error: BaseException | None = None
         self._ctx = zmq.Context()
+        self.commits: CommitInbox | None = None  # bound before a sender may look
+        try:
+            self.commits = CommitInbox(endpoint, manager.commit_many)
+        except OSError as e:  # e.g. a path past AF_UNIX's 107 bytes: kv_offload commits by round trip
+            logger.warning("control: no commit inbox beside %s (%s); kv_offload commits with a round trip "
+                           "(a shorter run dir path serves faster)", endpoint, e)
         self._wake_endpoint = f"inproc://kvlifecycle-control-wake-{id(self)}"
         self._waker: zmq.Socket | None = None  # the owner's side of the wake-up pipe, made on first use
         self._waker_lock = threading.Lock()
@@ -110,6 +123,8 @@ class ControlServer:
         if self._bind_error is not None:
             self._thread.join()
             self._ctx.term()
+            if self.commits is not None:
+                self.commits.close()
             raise self._bind_error
         self._housekeeping = OwnerHousekeeping(manager, on_settled=self._settled, expire_interval_s=expire_interval_s)
 
@@ -118,6 +133,12 @@ class ControlServer:
     def wake(self) -> None:
         """The owner just started onboards: the housekeeping thread asks the store about them."""
         self._housekeeping.wake()
+
+    def drain_commits(self) -> None:
+        """Apply every commit announced so far (the owner calls it before each lookup: a request
+        sent after an answer finds that answer's pages); this thread sends their replies."""
+        if self.commits is not None and self.commits.drain():
+            self._settled()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop both threads (woken, so at once) and remove the socket file; idempotent."""
@@ -131,6 +152,8 @@ class ControlServer:
         with self._waker_lock:
             self._waker.close()
         self._ctx.term()
+        if self.commits is not None:
+            self.commits.close()
 
     def __enter__(self) -> "ControlServer":
         return self
@@ -141,7 +164,8 @@ class ControlServer:
     # -- helpers ------------------------------------------------------------------------
 
     def _settled(self) -> None:
-        """Onboards were settled: the control thread answers the waits they complete."""
+        """Onboards were settled, or commits applied: the control thread answers the waits they
+        complete and sends the commits' replies."""
         with self._waker_lock:
             if not self._stop.is_set():
                 self._poke()
@@ -175,12 +199,20 @@ class ControlServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        inbox = self.commits.fileno() if self.commits is not None else None
+        if inbox is not None:
+            poller.register(inbox, zmq.POLLIN)
+        repliers: dict[str, zmq.Socket] = {}  # reply endpoint -> PUSH socket, this thread's
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll())
                 if wake in ready:
                     while wake.poll(0):
                         wake.recv()
+                if inbox is not None:
+                    if inbox in ready:
+                        self.commits.drain()
+                    self._send_commit_replies(repliers)
                 if sock in ready:
                     frames = sock.recv_multipart()
                     waited = self._onboard_wait_leases(frames)
@@ -193,9 +225,27 @@ class ControlServer:
         finally:
             sock.close()
             wake.close()
+            for replier in repliers.values():
+                replier.close()
             path = self.endpoint[len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)
+
+    def _send_commit_replies(self, repliers: dict[str, zmq.Socket]) -> None:
+        """Send each applied commit's ``Committed`` to the endpoint its datagram named. A reply
+        that cannot be sent now is dropped: its offload pins expire, and the pages stay on the
+        device."""
+        for endpoint, committed in self.commits.take_replies():
+            replier = repliers.get(endpoint)
+            if replier is None:
+                replier = repliers[endpoint] = self._ctx.socket(zmq.PUSH)
+                replier.setsockopt(zmq.LINGER, 0)
+                replier.connect(endpoint)
+            try:
+                replier.send_multipart(encode({"committed": [c.to_json() for c in committed]}), zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("commit replies to %s not sent (it does not read); %d leases' offload pins "
+                               "expire instead", endpoint, len(committed))
 
     @staticmethod
     def _onboard_wait_leases(frames: list[bytes]) -> list[int] | None:

@@ -22,11 +22,13 @@ concatenated ``tokens [T]`` and ``offsets [B+1]`` (user ``b``'s tokens are
         thread); onboard_pages > 0: those pages are being copied, not settled yet; lease_id -1:
         the lease ended meanwhile
     ... compute ...
-    pages = offload_launch(handle, lease_ids [B], tokens, offsets)        -> [B]
-        commits each lease (one round trip for the batch through the registered manager: the
-        owner's ``KVCacheManager``, or a ``ControlClient`` to it) and hands the pages it pinned for
-        offload to the registered ``OffloadWorker``, which puts them off the caller's path;
-        the pages handed over per lease
+    done = offload_launch(handle, lease_ids [B], tokens, offsets)         -> [B]
+        commits each lease and has the registered ``OffloadWorker`` put the pages the commit
+        pinned, off the caller's path: the worker announces the batch's commit to the owner
+        without a round trip (``kvlifecycle.commit_channel``; a round trip where it cannot), and
+        the owner applies it before its next lookup. In the owner itself (no worker) the manager
+        commits at once. Per lease, the pages pinned to put; -1 when the commit was announced
+        (the owner tells the worker)
 
 Each op is one ``*_many`` call of the manager for the whole batch: the same table lock, store
 round trip and control round trip per batch as direct calls. What the tensors cannot carry
@@ -62,7 +64,7 @@ __all__ = ["Registered", "join_tokens", "register", "unregister", "registered", 
 @dataclass(frozen=True)
 class Registered:
     manager: Any  # KVCacheManager in the owner, a ControlClient to it elsewhere (offload_launch only)
-    offloader: Any = None  # OffloadWorker: commit(lease_ids) and submit(puts); None: nothing is put
+    offloader: Any = None  # OffloadWorker: launch(lease_ids, token_ids); None: nothing is put
 
 
 _REGISTRY: dict[int, Registered] = {}
@@ -166,17 +168,13 @@ def onboard_launch(handle: int, leases: torch.Tensor) -> torch.Tensor:
 def offload_launch(handle: int, lease_ids: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     entry = registered(handle)
     ids = lease_ids.tolist()
-    if entry.offloader is not None:
-        committed = entry.offloader.commit(ids)
-    else:
-        committed = entry.manager.commit_many(ids)
-    puts = [(c.namespace, user_tokens.clone(), c.items)
-            for c, user_tokens in zip(committed, split_tokens(tokens, offsets)) if c.items]
-    if entry.offloader is not None:
-        entry.offloader.submit(puts)
-    else:  # nothing puts them: unpin now
-        for _, _, items in puts:
-            entry.manager.offload_done([it.page_id for it in items], False)
+    if entry.offloader is not None:  # it commits (announced, or a round trip) and puts
+        pages = entry.offloader.launch(ids, [user_tokens.clone() for user_tokens in split_tokens(tokens, offsets)])
+        return torch.tensor([-1] * len(ids) if pages is None else pages, dtype=torch.int64)
+    committed = entry.manager.commit_many(ids)
+    for c in committed:  # nothing puts them: unpin now
+        if c.items:
+            entry.manager.offload_done([it.page_id for it in c.items], False)
     return torch.tensor([len(c.items) for c in committed], dtype=torch.int64)
 
 

@@ -44,6 +44,7 @@ LEASE_COUNTERS = (
 OFFLOAD_STATS = (
     "offload_queue_depth", "offloaded_pages", "offloaded_bytes", "puts", "puts_ok", "puts_failed",
     "submit_errors", "reaps", "reap_latency_s_sum", "store_errors",
+    "commits_announced", "commits_round_trip", "commit_replies_unmatched",
 )
 
 # What Triton publishes: the cache owners (kv_lookup_alloc, hstu_monolithic) and kv_offload.
@@ -54,6 +55,7 @@ OWNER_PUBLISHED = (
 )
 OFFLOAD_PUBLISHED = (
     "offload_queue_depth", "offloaded_pages", "offloaded_bytes", "reap_latency_s_sum", "reaps", "store_errors",
+    "commits_announced", "commits_round_trip",
 )
 
 assert set(OWNER_PUBLISHED) <= set(PAGE_GAUGES) | set(LEASE_COUNTERS), "an owner key is published but never counted"

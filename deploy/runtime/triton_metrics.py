@@ -26,6 +26,9 @@ owners publish `OWNER_PUBLISHED`, kv_offload `OFFLOAD_PUBLISHED`):
   host_filtered_lookups -> hstu_kv_host_filtered_lookups_total
                        lookups the host store's filter of held keys showed it could not serve: not
                        asked, computed with the batch (no onboard round trip)
+  commits_announced / commits_round_trip -> hstu_kv_commits_total{path}
+                       kv_offload's commits of a batch: announced to the owner (no round trip), or
+                       a round trip where the owner's commit inbox could not take the datagram
   pool_waits / pool_exhausted -> hstu_kv_pool_waits_total / hstu_kv_pool_exhausted_total
                        reservations that waited for pages held by other requests or by offloads
                        in flight; requests refused for want of pages (a retryable error)
@@ -71,6 +74,10 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
                                    "Lookups whose prefix a request in flight was still writing (recomputed)", {}),
     "host_filtered_lookups": ("hstu_kv_host_filtered_lookups_total", "counter",
                               "Lookups not asked of the host store: its filter of held keys ruled them out", {}),
+    "commits_announced": ("hstu_kv_commits_total", "counter", "kv_offload's batch commits by path",
+                          {"path": "announced"}),
+    "commits_round_trip": ("hstu_kv_commits_total", "counter", "kv_offload's batch commits by path",
+                           {"path": "round_trip"}),
     "pool_waits": ("hstu_kv_pool_waits_total", "counter",
                    "Reservations that waited for pages held by other requests or offloads in flight", {}),
     "pool_exhausted": ("hstu_kv_pool_exhausted_total", "counter", "Requests refused for want of device pages", {}),

@@ -220,3 +220,65 @@ def test_offload_worker_commits_a_batch_in_one_round_trip_then_offloads_off_the_
         assert mgr.stats()["pages_offload_pending"] == 0  # every put reaped and reported
         assert len(store.pages) == 6  # two full pages per history reached the host store
         mgr.check_invariants()
+
+
+def test_an_announced_commit_is_applied_before_the_owners_next_lookup_and_its_pages_are_put(pool):
+    """kv_offload announces a batch's commit as one datagram (no round trip) and answers; the
+    owner applies what is queued before each lookup (drain_commits), so the user's next request
+    finds the pages; the owner's reply reaches the worker, which puts them."""
+    from kvlifecycle.offload_worker import OffloadWorker
+    store = FakeStore(pool.tensor, SPEC.page_size)
+    with kv_owner(SPEC, store=store) as owner:
+        mgr = owner.manager
+        histories = {user: list(range(100 * user, 100 * user + 8)) for user in (1, 2, 3)}
+        leases = {user: mgr.onboard(mgr.allocate(user, h, mgr.lookup(user, h))) for user, h in histories.items()}
+        with ControlClient(owner.endpoint) as client:
+            worker = OffloadWorker(client, store, page_bytes=1, page_size=SPEC.page_size)
+            worker.start()
+            pages = worker.launch([leases[user].lease_id for user in (1, 2, 3)], [histories[u] for u in (1, 2, 3)])
+            assert pages is None  # announced: the owner tells the worker which pages to put
+            owner.server.drain_commits()  # what kv_lookup_alloc does before its lookup
+            assert mgr.lookup(1, histories[1] + [7, 7, 7, 7]).device_tokens == 8
+            wait_for(lambda: len(store.pages) == 6, timeout_s=5, what="the announced commits' pages put")
+            assert worker.stop(flush_timeout_s=5.0) == 0
+            stats = worker.stats()
+            assert stats["commits_announced"] == 1 and stats["commits_round_trip"] == 0
+            assert stats["commit_replies_unmatched"] == 0 and stats["offload_queue_depth"] == 0
+        assert mgr.stats()["commits"] == 3 and mgr.stats()["pages_offload_pending"] == 0
+        assert owner.server.commits.counters["commit_datagrams"] == 1
+        mgr.check_invariants()
+
+
+def test_a_commit_the_inbox_cannot_take_is_a_round_trip(pool):
+    """No inbox (an owner not started yet, or one that restarted and has not bound it): the
+    worker commits with a round trip before launch returns, never unannounced."""
+    from kvlifecycle.offload_worker import OffloadWorker
+    store = FakeStore(pool.tensor, SPEC.page_size)
+    with kv_owner(SPEC, store=store) as owner:
+        mgr = owner.manager
+        history = list(range(8))
+        lease = mgr.onboard(mgr.allocate(1, history, mgr.lookup(1, history)))
+        os.unlink(owner.server.commits.path)
+        with ControlClient(owner.endpoint) as client:
+            worker = OffloadWorker(client, store, page_bytes=1, page_size=SPEC.page_size)
+            worker.start()
+            assert worker.launch([lease.lease_id], [history]) == [2]  # committed: 2 full pages to put
+            assert mgr.lookup(1, history + [7, 7, 7, 7]).device_tokens == 8  # no drain needed
+            assert worker.stop(flush_timeout_s=5.0) == 0
+            assert worker.stats()["commits_round_trip"] == 1 and worker.stats()["commits_announced"] == 0
+        assert len(store.pages) == 2 and mgr.stats()["pages_offload_pending"] == 0
+        mgr.check_invariants()
+
+
+def test_a_malformed_commit_datagram_is_dropped_and_counted():
+    import socket
+    from kvlifecycle.commit_channel import decode as decode_commit, encode as encode_commit
+    assert decode_commit(encode_commit("ipc:///x/y", [3, -1, 2**40])) == ("ipc:///x/y", [3, -1, 2**40])
+    with kv_owner(SPEC) as owner:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.sendto(b"garbage!", owner.server.commits.path)
+        sock.close()
+        wait_for(lambda: owner.server.commits.counters["commit_datagrams_bad"] == 1, timeout_s=5,
+                 what="the bad datagram counted")
+        with ControlClient(owner.endpoint) as client:
+            assert client.ping()  # the control thread goes on

@@ -29,18 +29,19 @@ class Lifecycle(torch.nn.Module):
 
 
 class Puts:
-    """An offloader that keeps what it is handed (the ops' only use of one: commit, then submit)."""
+    """An offloader that commits in the process and keeps what it is handed to put (the ops' only
+    use of one: launch). OffloadWorker, kv_offload's, is tested in test_control.py."""
 
     def __init__(self, mgr: KVCacheManager) -> None:
         self.mgr, self.puts = mgr, []
 
-    def commit(self, lease_ids):
-        return self.mgr.commit_many(lease_ids)
-
-    def submit(self, puts):
-        self.puts.extend(puts)
-        for _, _, items in puts:
-            self.mgr.offload_done([it.page_id for it in items], True)
+    def launch(self, lease_ids, token_ids):
+        committed = self.mgr.commit_many(lease_ids)
+        for c, tokens in zip(committed, token_ids):
+            if c.items:
+                self.puts.append((c.namespace, tokens, c.items))
+                self.mgr.offload_done([it.page_id for it in c.items], True)
+        return [len(c.items) for c in committed]
 
 
 def batch(*histories: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ ended before it reads them.
 Every request is answered in the list `execute` returns, never through a response sender, and
 ids that look corrupted in transit are answered retryable (docs/ARCHITECTURE.md, "Batching on
 tritonserver 2.51"). Nothing here waits for a commit:
-kv_offload commits before it answers, and a request that finds its prefix still being written
+kv_offload announces its commits before it answers (a datagram this process applies before each
+lookup, or its control thread sooner), and a request that finds its prefix still being written
 (the same user's previous request still in flight) computes those pages itself. A bad request or
 an exhausted pool becomes an error response for that request only and changes no cache state.
 """
@@ -143,6 +144,9 @@ class TritonPythonModel:
         started = time.perf_counter()
         user_ids = torch.tensor([item.inputs.user_id for item in batch], dtype=torch.int64)
         tokens, offsets = ops.join_tokens([item.tokens for item in batch])
+        # Every commit kv_offload announced before it answered is applied first: a user's request
+        # sent after its previous answer finds that request's pages (kvlifecycle/commit_channel.py).
+        self.control.drain_commits()
         # The store is not asked here: the control plane's thread asks it about each onboard started.
         hits = self.ops.lookup(self.ops_handle, user_ids, tokens, offsets)
         looked_up = time.perf_counter()

@@ -2,12 +2,13 @@
 
 Dynamic batching hands `execute` every queued request. It reads each one's lease id (one value
 of kv_lookup_alloc's plan) and history, checks the histories' ids in one pass, and calls the
-custom op `torch.ops.kvlifecycle.offload_launch` (`kvlifecycle/ops.py`) for the batch: it commits
-every lease with the owner (kv_lookup_alloc) in one control round trip and hands the pages it
-pinned, with their token ids, to the background `OffloadWorker`; then `execute` answers with the
-scores. Committing before answering is what lets the owner never wait: once a client has its
-answer, its next request finds these pages on the device. The worker puts the pages into the
-host store and reaps finished puts, after the answer.
+custom op `torch.ops.kvlifecycle.offload_launch` (`kvlifecycle/ops.py`) for the batch: it
+announces the commit of every lease to the owner (kv_lookup_alloc) as one datagram, without a
+round trip (`kvlifecycle/commit_channel.py`), and hands the token ids to the background
+`OffloadWorker`; then `execute` answers with the scores. The owner applies the commit before its
+next lookup, so once a client has its answer, its next request finds these pages on the device;
+the owner sends the worker the pages it pinned, and the worker puts them into the host store and
+reaps finished puts, after the answer.
 `finalize` (model unload, server stop) flushes: it waits for every pending offload before
 returning.
 """
@@ -55,7 +56,7 @@ class TritonPythonModel:
                                     on_commit=lambda seconds, leases: self.stages.add("commit", seconds, leases))
         self.worker.start()
         self.ops = torch.ops.kvlifecycle
-        self.ops_handle = ops.register(self.control, self.worker)  # offload_launch: commit, then put on the worker
+        self.ops_handle = ops.register(self.control, self.worker)  # offload_launch: commit announced, put on the worker
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"], [*OFFLOAD_PUBLISHED, *stage_keys("commit")],
                                  source=lambda: {**self.worker.stats(), **self.stages.stats()})
 
@@ -81,7 +82,7 @@ class TritonPythonModel:
         if lease_ids:
             try:
                 tokens, offsets = ops.join_tokens(history_tokens_many(self._checked(histories), self.config))
-                # commits the batch (one control round trip) before the answers; the puts run on the worker
+                # announces the batch's commit before the answers (no round trip); the puts run on the worker
                 self.ops.offload_launch(self.ops_handle, torch.tensor(lease_ids, dtype=torch.int64), tokens, offsets)
             except Exception:  # a bug: the scores stand; the leases return on expiry
                 logger.error("kv_offload: commit and offload of a batch of %d failed", len(lease_ids), exc_info=True)

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from deploy.runtime.compute_plan import ComputePlan
-from kvlifecycle.page_table import Committed
 from deploy.runtime.triton_io import input_tensor
 
 SLOW_COMMIT_CANDIDATE = int(os.environ["HSTU_TEST_SLOW_COMMIT_CANDIDATE"])
@@ -33,9 +32,9 @@ class TritonPythonModel(_real.TritonPythonModel):
     def initialize(self, args):
         super().initialize(args)
         self._late = set()  # lease ids whose commit is held back
-        commit = self.worker.commit
+        launch, commit = self.worker.launch, self.worker.commit
 
-        def commit_late_ones_later(lease_ids):
+        def launch_late_ones_later(lease_ids, token_ids):
             late = [lease_id for lease_id in lease_ids if lease_id in self._late]
             if late:  # committed late, and not offloaded (no history to key the put by): unpinned at once
                 def commit_once_released() -> None:
@@ -46,10 +45,11 @@ class TritonPythonModel(_real.TritonPythonModel):
                         self.control.offload_done([it.page_id for it in c.items], False)
 
                 threading.Thread(target=commit_once_released, name="late-commit", daemon=True).start()
-            on_time = iter(commit([lease_id for lease_id in lease_ids if lease_id not in self._late]))
-            return [Committed(lease_id, "", ()) if lease_id in self._late else next(on_time) for lease_id in lease_ids]
+            on_time = [(lease_id, tokens) for lease_id, tokens in zip(lease_ids, token_ids) if lease_id not in self._late]
+            return launch([lease_id for lease_id, _ in on_time], [tokens for _, tokens in on_time])
 
-        self.worker.commit = commit_late_ones_later
+        self.worker.launch = launch_late_ones_later
+
     def execute(self, requests):
         for request in requests:
             try:

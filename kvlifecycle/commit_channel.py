@@ -1,0 +1,151 @@
+"""Commits announced without a round trip: kv_offload tells the owner, and answers at once.
+
+kv_offload must make a batch's pages visible before it answers: a client's next request, sent
+once it has the answer, must find them. A commit round trip to the owner did that, and cost
+kv_offload's `execute` the owner's control thread waking, the commit and the reply: 0.36-0.67 ms
+of a c=1 request on the 2-core CPU machine, two thirds of kv_offload's step.
+
+Instead kv_offload sends the batch's lease ids as one datagram on a Unix datagram socket
+(``CommitSender.send``). A datagram is in the owner's socket queue when ``sendto`` returns, so it
+is there before the answer leaves kv_offload. The owner applies what is queued
+(``CommitInbox.drain``) on its control thread as soon as it arrives, and on its `execute` thread
+before every lookup; both drain under one lock that a thread holds from taking a datagram until
+its commits are applied. So a lookup that follows an answer always sees that answer's commit:
+either it drains the datagram itself, or it waits for the thread that took it. Nothing is
+waited for in the common case: the control thread has applied it while the answer travelled.
+
+Each datagram names the endpoint (a zmq PULL socket of kv_offload's offload worker) that the
+owner sends the commits' ``Committed`` to (the pages to offload, pinned until ``offload_done``);
+the control thread sends them, off every request's path.
+
+    datagram: magic b"KVC1" | endpoint length u16 | endpoint utf-8 | lease ids int64 ...
+    to the endpoint: kvlifecycle.rpc frames {"committed": [Committed.to_json(), ...]}
+
+A sender that cannot deliver (no inbox: the owner is not running yet or restarted; the queue is
+full: the owner stalls) gets False and commits with a round trip instead (``ControlClient``):
+never slower than before, and never unannounced.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import struct
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from kvlifecycle.page_table import Committed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CommitInbox", "CommitSender", "inbox_path"]
+
+MAGIC = b"KVC1"
+_HEADER = struct.Struct("<4sH")
+MAX_LEASES = 4096  # per datagram: 32 KiB of ids, well within a Unix datagram's limit
+
+
+def inbox_path(control_endpoint: str) -> str:
+    """The owner's inbox socket, beside its control socket (``ipc://PATH`` -> ``PATH.commits``)."""
+    if not control_endpoint.startswith("ipc://"):
+        raise ValueError(f"control endpoint: expected ipc://PATH, got {control_endpoint!r}")
+    return control_endpoint[len("ipc://"):] + ".commits"
+
+
+def encode(endpoint: str, lease_ids: Sequence[int]) -> bytes:
+    name = endpoint.encode()
+    return _HEADER.pack(MAGIC, len(name)) + name + np.asarray(lease_ids, dtype="<i8").tobytes()
+
+
+def decode(datagram: bytes) -> tuple[str, list[int]]:
+    """(endpoint, lease ids); ValueError for anything else."""
+    if len(datagram) < _HEADER.size:
+        raise ValueError(f"commit datagram of {len(datagram)} bytes: shorter than its header")
+    magic, name_len = _HEADER.unpack_from(datagram)
+    ids = datagram[_HEADER.size + name_len:]
+    if magic != MAGIC or len(ids) % 8:
+        raise ValueError(f"commit datagram: bad magic {magic!r} or {len(ids)} id bytes (not int64s)")
+    endpoint = datagram[_HEADER.size:_HEADER.size + name_len].decode()
+    return endpoint, np.frombuffer(ids, dtype="<i8").tolist()
+
+
+class CommitSender:
+    """kv_offload's side: ``send(lease_ids) -> bool``. Not thread-safe (its caller's thread)."""
+
+    def __init__(self, control_endpoint: str, reply_endpoint: str) -> None:
+        self.path = inbox_path(control_endpoint)
+        self.reply_endpoint = reply_endpoint
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+
+    def send(self, lease_ids: Sequence[int]) -> bool:
+        """Queue the commit of ``lease_ids`` in the owner's inbox; False when it cannot be queued
+        now (the caller commits with a round trip instead)."""
+        if not lease_ids or len(lease_ids) > MAX_LEASES:
+            return False
+        try:
+            self._sock.sendto(encode(self.reply_endpoint, lease_ids), self.path)
+            return True
+        except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):  # no owner, or it stalls
+            return False
+        except OSError as e:
+            if e.errno in (errno.EMSGSIZE, errno.ENOBUFS, errno.EAGAIN):
+                return False
+            raise
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class CommitInbox:
+    """The owner's side: ``drain()`` applies every queued commit through ``commit_many`` (the
+    manager's) and keeps each datagram's ``Committed`` for ``take_replies()``. Thread-safe: one
+    lock from taking a datagram until its commits are applied (see the module docstring)."""
+
+    def __init__(self, control_endpoint: str, commit_many) -> None:
+        self.path = inbox_path(control_endpoint)
+        self.commit_many = commit_many
+        self.counters = {"commit_datagrams": 0, "commit_datagrams_bad": 0}
+        self._lock = threading.Lock()
+        self._replies: list[tuple[str, list[Committed]]] = []
+        if os.path.exists(self.path):  # a previous owner's; its senders fall back until this binds
+            os.unlink(self.path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)
+        self._sock.bind(self.path)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def drain(self) -> int:
+        """Apply every commit queued now; returns how many datagrams were applied."""
+        applied = 0
+        with self._lock:
+            while True:
+                try:
+                    datagram = self._sock.recv(65536)
+                except BlockingIOError:
+                    return applied
+                try:
+                    endpoint, lease_ids = decode(datagram)
+                except (ValueError, UnicodeDecodeError):
+                    logger.error("commit inbox: malformed datagram of %d bytes dropped", len(datagram))
+                    self.counters["commit_datagrams_bad"] += 1
+                    continue
+                self._replies.append((endpoint, self.commit_many(lease_ids)))
+                self.counters["commit_datagrams"] += 1
+                applied += 1
+
+    def take_replies(self) -> list[tuple[str, list[Committed]]]:
+        """The ``Committed`` of the commits applied since the last call, per reply endpoint."""
+        with self._lock:
+            replies, self._replies = self._replies, []
+        return replies
+
+    def close(self) -> None:
+        self._sock.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
