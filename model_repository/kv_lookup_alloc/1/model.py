@@ -153,8 +153,9 @@ class TritonPythonModel:
         leases, page_rows = self.ops.allocate(self.ops_handle, user_ids, tokens, offsets, hits, self.settings.lease_ttl_s)
         allocated = time.perf_counter()
         try:
-            launched_leases = self.ops.onboard_launch(self.ops_handle, leases)  # settled within the onboard wait
-            if bool((launched_leases[:, 2] > 0).any()):
+            launched_leases = leases  # a batch with no onboard page reserved has none to launch
+            if bool((leases[:, 2] > 0).any()):
+                launched_leases = self.ops.onboard_launch(self.ops_handle, leases)  # settled within the onboard wait
                 self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
             responses = [self._response(item, lease, allocated_lease, row) for item, lease, allocated_lease, row
