@@ -213,8 +213,9 @@ class OffloadWorker:
             return []
         started = time.perf_counter()
         if self._sender is not None and self._sender.send(lease_ids):
+            # Not woken: the owner's reply wakes the thread. Woken now, it would take this
+            # process's GIL while the stub sends the answers.
             self._to_put.put(dict(zip(lease_ids, token_ids)))
-            self._wake()
             self._stats["commits_announced"] += 1
             self.on_commit(time.perf_counter() - started, len(lease_ids))
             return None
@@ -246,10 +247,11 @@ class OffloadWorker:
             self._wake()
 
     def stop(self, flush_timeout_s: float) -> int:
-        """Put everything queued (announced commits' replies waited for up to `flush_timeout_s`),
+        """Put everything queued (the owner's replies to announced commits waited for up to
+        ``REPLY_WAIT_ON_STOP_S``: they come within milliseconds, unless the owner stopped first),
         wait up to `flush_timeout_s` for every put; returns the number of puts still pending (0
         when everything reached the host store)."""
-        self._stop_by = time.monotonic() + flush_timeout_s
+        self._stop_by = time.monotonic() + min(flush_timeout_s, REPLY_WAIT_ON_STOP_S)
         self._to_put.put(STOP)
         self._wake()
         self._put_thread.join()
@@ -390,3 +392,4 @@ _WORKERS = itertools.count()  # reply endpoints of this process's workers
 # An announced commit's two halves (the request's token ids here, the owner's reply) normally
 # meet within milliseconds; one alone this long is left over from an owner restart.
 UNMATCHED_TIMEOUT_S = 30.0
+REPLY_WAIT_ON_STOP_S = 2.0

@@ -282,3 +282,26 @@ def test_a_malformed_commit_datagram_is_dropped_and_counted():
                  what="the bad datagram counted")
         with ControlClient(owner.endpoint) as client:
             assert client.ping()  # the control thread goes on
+
+
+def test_a_stop_waits_briefly_for_replies_an_owner_that_stopped_never_sends(tmp_path):
+    """Announced commits whose owner stopped before replying (its inbox took the datagram and
+    never answered) hold the worker's stop for REPLY_WAIT_ON_STOP_S, not its flush timeout."""
+    import socket
+    from kvlifecycle.commit_channel import inbox_path
+    from kvlifecycle.offload_worker import REPLY_WAIT_ON_STOP_S, OffloadWorker
+    endpoint = default_endpoint("control.sock")
+    silent_inbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    silent_inbox.bind(inbox_path(endpoint))  # takes datagrams, applies none: an owner gone quiet
+    try:
+        with ControlClient(endpoint, timeout_s=0.5) as client:
+            worker = OffloadWorker(client, None, page_bytes=1, page_size=SPEC.page_size)
+            worker.start()
+            assert worker.launch([11, 12], [list(range(8)), list(range(8))]) is None  # announced
+            assert worker.stats()["offload_queue_depth"] >= 1  # announced, not put yet: counted as queued
+            started = time.monotonic()
+            assert worker.stop(flush_timeout_s=60.0) == 0
+            assert time.monotonic() - started < REPLY_WAIT_ON_STOP_S + 1.0
+            assert worker.stats()["commit_replies_unmatched"] == 2  # the token ids given up on
+    finally:
+        silent_inbox.close()
