@@ -20,7 +20,8 @@ thread with a pyzmq ROUTER socket on ``ipc://<dir>/<name>`` where ``<dir>`` has 
 - ``stats() -> dict`` and ``ping()``.
 
 Promises: the server applies requests one at a time in arrival order, on its own thread, and
-does nothing else. The owner's housekeeping runs on a second thread
+does nothing else (announced commits are also applied by whichever thread calls
+``drain_commits()`` first). The owner's housekeeping runs on a second thread
 (``housekeeping.OwnerHousekeeping``: settling onboards, expiring leases every
 ``expire_interval_s``), which the owner wakes with ``wake()`` after starting onboards and which
 wakes this one when it settled some; the server then answers each ``onboard_wait`` whose leases
