@@ -108,7 +108,7 @@ class CommitInbox:
     def __init__(self, control_endpoint: str, commit_many) -> None:
         self.path = inbox_path(control_endpoint)
         self.commit_many = commit_many
-        self.counters = {"commit_datagrams": 0, "commit_datagrams_bad": 0}
+        self.counters = {"commit_datagrams": 0, "commit_datagrams_bad": 0}  # bad: malformed, or its commit failed
         self._lock = threading.Lock()
         self._replies: list[tuple[str, list[Committed]]] = []
         if os.path.exists(self.path):  # a previous owner's; its senders fall back until this binds
@@ -135,7 +135,12 @@ class CommitInbox:
                     logger.error("commit inbox: malformed datagram of %d bytes dropped", len(datagram))
                     self.counters["commit_datagrams_bad"] += 1
                     continue
-                self._replies.append((endpoint, self.commit_many(lease_ids)))
+                try:
+                    self._replies.append((endpoint, self.commit_many(lease_ids)))
+                except Exception:  # a bug: these leases expire; neither draining thread may die of it
+                    logger.error("commit inbox: commit of leases %s failed", lease_ids, exc_info=True)
+                    self.counters["commit_datagrams_bad"] += 1
+                    continue
                 self.counters["commit_datagrams"] += 1
                 applied += 1
 
