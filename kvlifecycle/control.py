@@ -237,16 +237,21 @@ class ControlServer:
         that cannot be sent now is dropped: its offload pins expire, and the pages stay on the
         device."""
         for endpoint, committed in self.commits.take_replies():
-            replier = repliers.get(endpoint)
-            if replier is None:
-                replier = repliers[endpoint] = self._ctx.socket(zmq.PUSH)
-                replier.setsockopt(zmq.LINGER, 0)
-                replier.connect(endpoint)
             try:
+                replier = repliers.get(endpoint)
+                if replier is None:
+                    replier = self._ctx.socket(zmq.PUSH)
+                    replier.setsockopt(zmq.LINGER, 0)
+                    try:
+                        replier.connect(endpoint)
+                    except zmq.ZMQError:
+                        replier.close()
+                        raise
+                    repliers[endpoint] = replier
                 replier.send_multipart(encode({"committed": [c.to_json() for c in committed]}), zmq.NOBLOCK)
-            except zmq.Again:
-                logger.warning("commit replies to %s not sent (it does not read); %d leases' offload pins "
-                               "expire instead", endpoint, len(committed))
+            except zmq.ZMQError as e:  # zmq.Again: it does not read; or an endpoint zmq refuses
+                logger.warning("commit replies to %s not sent (%s); %d leases' offload pins expire instead",
+                               endpoint, e, len(committed))
 
     @staticmethod
     def _onboard_wait_leases(frames: list[bytes]) -> list[int] | None:

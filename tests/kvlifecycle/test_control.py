@@ -277,9 +277,12 @@ def test_a_malformed_commit_datagram_is_dropped_and_counted():
     with kv_owner(SPEC) as owner:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.sendto(b"garbage!", owner.server.commits.path)
+        sock.sendto(encode_commit("not an endpoint", [12345]), owner.server.commits.path)  # unknown lease
         sock.close()
         wait_for(lambda: owner.server.commits.counters["commit_datagrams_bad"] == 1, timeout_s=5,
                  what="the bad datagram counted")
+        wait_for(lambda: owner.server.commits.counters["commit_datagrams"] == 1, timeout_s=5,
+                 what="the datagram naming a bad endpoint applied")
         with ControlClient(owner.endpoint) as client:
             assert client.ping()  # the control thread goes on
 
