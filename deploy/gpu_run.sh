@@ -8,6 +8,9 @@
 #   stress   tests.reliability.stress on the GPU ($STRESS_SECONDS, default 240; 48 unary streams over the
 #            soak's small pool: host hits, evictions, offloads; every 50th answer checked; exit 1 on a
 #            failed request, a wrong score or a crash)
+#   floor    what an ensemble step costs with no work in it (deploy/bench/hops.py: identity models, 1
+#            step vs 3, c=1 and 32) and the owner's path hot and after 3 ms idle (deploy/bench/owner.py
+#            --idle-ms): the part of the c=1 gap that is this host's, not the models'
 #   compute  the compute benchmark of each GPU config (deploy/bench/compute.py), and hstu_compute's
 #            host work per batch on this host's cores (deploy/bench/host_work.py)
 #   serve    sweep, pooldemo and bench, for each GPU config:
@@ -36,18 +39,18 @@
 #            host-hit-heavy trace at c=8; p99 with offload on/off at c=8. The cache phase's host hit
 #            is the other model's offload, which FlexKV's per-pool tier never has: nan there)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [stress] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
+#   deploy/gpu_run.sh [pytest] [stress] [floor] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|stress|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
+    pytest|stress|floor|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
     serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL_ARGS=(--tolerance "$2"); shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, stress, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, stress, floor, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -76,6 +79,13 @@ for stage in "${STAGES[@]}"; do
   if [ "$stage" = stress ]; then
     python3 -m tests.reliability.stress --device cuda --seconds "${STRESS_SECONDS:-240}" --concurrency 48 --check-every 50 \
       2>&1 | grep -v " INFO " | tee "$OUT/gpu-stress.log" || status=1
+  fi
+  if [ "$stage" = floor ]; then
+    python3 -m deploy.bench.hops --concurrency 1 32 --report-dir "$OUT" 2>&1 | tee "$OUT/gpu-hops.log" || status=1
+    for idle in 0 3; do
+      python3 -m deploy.bench.owner --batch 1 8 --idle-ms "$idle" --report-dir "$OUT/owner-idle-$idle" 2>&1 \
+        | tee -a "$OUT/gpu-owner-idle.log" || status=1
+    done
   fi
   if [ "$stage" = compute ]; then
     for name in $CONFIGS; do
