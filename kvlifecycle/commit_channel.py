@@ -92,7 +92,7 @@ class CommitSender:
         except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):  # no owner, or it stalls
             return False
         except OSError as e:
-            if e.errno in (errno.EMSGSIZE, errno.ENOBUFS, errno.EAGAIN):
+            if e.errno in (errno.EMSGSIZE, errno.ENOBUFS):
                 return False
             raise
 

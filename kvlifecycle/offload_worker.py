@@ -159,13 +159,11 @@ class Offloader:
 class OffloadWorker:
     """See the module docstring. ``before_put()`` runs before a turn's first put (kv_offload
     registers the owner's pool with the store there); ``on_commit(seconds, leases)`` is told
-    each commit's time on the caller's path (an announcement, or a round trip) and size.
-    ``announce=False`` always commits with a round trip."""
+    each commit's time on the caller's path (an announcement, or a round trip) and size."""
 
     def __init__(self, control, store, page_bytes: int, page_size: int, reap_interval_s: float = 0.005,
                  before_put: Callable[[], None] = lambda: None,
-                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None,
-                 announce: bool = True) -> None:
+                 on_commit: Callable[[float, int], None] = lambda seconds, leases: None) -> None:
         self.control = control  # ControlClient: thread-safe, used by the caller and the thread
         self.store = store
         self.page_bytes = page_bytes
@@ -186,19 +184,17 @@ class OffloadWorker:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._ctx = zmq.Context()
-        self._replies: zmq.Socket | None = None
         self._sender: CommitSender | None = None
-        if announce:
-            reply_endpoint = f"{control.endpoint}.offload-{os.getpid()}-{next(_WORKERS)}"
-            self._replies = self._ctx.socket(zmq.PULL)
-            self._replies.setsockopt(zmq.LINGER, 0)
-            try:
-                self._replies.bind(reply_endpoint)
-                self._sender = CommitSender(control.endpoint, reply_endpoint)
-            except (zmq.ZMQError, ValueError) as e:  # e.g. a path past the ipc limit: commit by round trip
-                logger.warning("offload: cannot bind %s (%s); commits take a round trip", reply_endpoint, e)
-                self._replies.close()
-                self._replies = None
+        reply_endpoint = f"{control.endpoint}.offload-{os.getpid()}-{next(_WORKERS)}"
+        self._replies: zmq.Socket | None = self._ctx.socket(zmq.PULL)
+        self._replies.setsockopt(zmq.LINGER, 0)
+        try:
+            self._replies.bind(reply_endpoint)
+            self._sender = CommitSender(control.endpoint, reply_endpoint)
+        except (zmq.ZMQError, ValueError) as e:  # e.g. a path past the ipc limit: commit by round trip
+            logger.warning("offload: cannot bind %s (%s); commits take a round trip", reply_endpoint, e)
+            self._replies.close()
+            self._replies = None
 
     def start(self) -> None:
         self._put_thread.start()
