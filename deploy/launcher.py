@@ -66,6 +66,9 @@ class LaunchConfig:
     nginx: str = "nginx"
     store_dram_bytes: int = 2 << 30  # the embedded store's DRAM tier
     store_disk_dir: Path | None = None  # the embedded store's disk tier (none by default)
+    # The disk tier's capacity (least recently used pages go first): unbounded, a stress of an hour
+    # wrote 20 GB of pages.
+    store_disk_bytes: int = 16 << 30
     model_control: str = "none"  # "explicit" lets clients load/unload models
     ready_timeout_s: float = 300.0
     exit_timeout_s: int = 60
@@ -82,6 +85,8 @@ class LaunchConfig:
             port = getattr(self, name)
             if not 0 <= port < 65536:
                 raise ValueError(f"{name}={port}: expected a TCP port in 1..65535, or 0 for a free one")
+        if self.store_disk_bytes <= 0:
+            raise ValueError(f"store_disk_bytes={self.store_disk_bytes}: expected the disk tier's capacity in bytes (> 0)")
 
     @property
     def fronted(self) -> bool:
@@ -229,7 +234,7 @@ class Server:
                           "--mooncake-local-hostname", s.mooncake_local_hostname]
         cmd += ["--dram-bytes", str(self.config.store_dram_bytes)]
         if self.config.store_disk_dir:
-            cmd += ["--disk-dir", str(self.config.store_disk_dir)]
+            cmd += ["--disk-dir", str(self.config.store_disk_dir), "--disk-bytes", str(self.config.store_disk_bytes)]
         return cmd
 
     def triton_command(self) -> list[str]:

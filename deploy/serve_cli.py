@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
                    help="--store mooncake: the running mooncake_master every server shares")
     p.add_argument("--store-dram-bytes", type=int, default=2 << 30)
     p.add_argument("--store-disk-dir", type=Path, help="enable the store's disk tier in this directory")
+    p.add_argument("--store-disk-bytes", type=int, default=16 << 30,
+                   help="the disk tier's capacity; least recently used pages are dropped past it (default 16 GiB)")
     p.add_argument("--model-control", choices=["none", "explicit"], default="none")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--run-dir", type=Path, help="sockets and logs (default: a new dir under /tmp)")
@@ -84,11 +86,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
                                    store_endpoint=a.mooncake_master if a.store == "mooncake" else "")
     except ValueError as e:
         p.error(str(e))
-    cfg = LaunchConfig(serving=serving, model_repository=a.model_repository.resolve(), host=a.host,
-                       http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
-                       triton_http_port=a.triton_http_port, triton_grpc_port=a.triton_grpc_port,
-                       store_dram_bytes=a.store_dram_bytes, store_disk_dir=a.store_disk_dir,
-                       model_control=a.model_control, ready_timeout_s=a.ready_timeout)
+    try:
+        cfg = LaunchConfig(serving=serving, model_repository=a.model_repository.resolve(), host=a.host,
+                           http_port=a.http_port, grpc_port=a.grpc_port, metrics_port=a.metrics_port,
+                           triton_http_port=a.triton_http_port, triton_grpc_port=a.triton_grpc_port,
+                           store_dram_bytes=a.store_dram_bytes, store_disk_dir=a.store_disk_dir,
+                           store_disk_bytes=a.store_disk_bytes,
+                           model_control=a.model_control, ready_timeout_s=a.ready_timeout)
+    except ValueError as e:
+        p.error(str(e))
     return cfg, a
 
 

@@ -126,6 +126,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> file bytes
+        self._bytes = 0  # sum of _index's values, kept as it changes (a bounded tier trims on every write)
         self._queued: dict[bytes, int] = {}  # key -> queued count (held, not yet on disk)
         self._queue: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue(queue_batches)
         self.counters = collections.Counter[str]()
@@ -226,6 +227,7 @@ class DiskTier:
                 found.append((st.st_mtime, key, st.st_size))
         for _mtime, key, size in sorted(found):
             self._index[key] = size
+            self._bytes += size
         logger.info("disk tier %s: %d pages found", self.dir, len(self._index))
 
     def _verify(self, key: bytes, data: bytes) -> bytes | None:
@@ -274,6 +276,7 @@ class DiskTier:
             f.write(payload)
         os.replace(tmp, path)
         with self._lock:
+            self._bytes += len(header) + len(payload) - self._index.get(key, 0)
             self._index[key] = len(header) + len(payload)
             self._index.move_to_end(key)
         self.counters["written_pages"] += 1
@@ -284,9 +287,10 @@ class DiskTier:
             return
         while True:
             with self._lock:
-                if sum(self._index.values()) <= self.capacity_bytes or not self._index:
+                if self._bytes <= self.capacity_bytes or not self._index:
                     return
-                key, _size = self._index.popitem(last=False)
+                key, size = self._index.popitem(last=False)
+                self._bytes -= size
             _unlink(self._path(key))
             self.counters["evicted_pages"] += 1
 
@@ -301,7 +305,7 @@ class DiskTier:
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
-            self._index.pop(key, None)
+            self._bytes -= self._index.pop(key, 0)
 
 
 def _unlink(path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -46,13 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
+    # The disk tier bounded: an hour of stress wrote 20 GB of pages unbounded.
     server = LocalServer(launch_config(root, device=a.device, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
-                                       store_dram_bytes=512 << 20,
+                                       store_dram_bytes=512 << 20, store_disk_bytes=2 << 30,
                                        model_repository=rendered_repository(
                                            root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
     build_model(server.settings.model_dir, server.settings.device)
     server.start()
     started = time.monotonic()
+    passed = False
     load = EndlessLoad(server.grpc_url, Users(seed=a.seed), a.concurrency, timeout_s=60,
                        keep=lambda n: a.check_every > 0 and n % a.check_every == 0)
     try:
@@ -76,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         if crashed:
             result["log_tail"] = log_tail(server.triton_log, 30)
         print(json.dumps(result))
-        return 1 if load.errors or wrong or crashed else 0
+        passed = not (load.errors or wrong or crashed)
+        return 0 if passed else 1
     finally:
         server.stop()
+        shutil.rmtree(root / "disk", ignore_errors=True)  # GBs of offloaded pages
+        if passed:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"logs kept in {root}", flush=True)
 
 
 def _wrong_scores(served: list, tolerance: float) -> list[str]:
