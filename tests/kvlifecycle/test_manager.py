@@ -457,29 +457,6 @@ def test_onboard_start_returns_at_once_and_poll_settles_the_copy(smgr, store):
     baseline_ok(smgr)
 
 
-def test_a_lone_onboard_asks_the_store_to_answer_once_its_copy_ended(smgr, store):
-    """One onboard in flight: its get_prefix carries the poll's wait (the store answers when the
-    copy ended: one round trip). Two started together are each asked at once (their copies queue
-    back to back in the store), then polled."""
-    asked = []
-    ask = store.get_prefix_async
-    store.get_prefix_async = lambda *args, wait_s=0.0: asked.append(wait_s) or ask(*args, wait_s=wait_s)
-    a, b = list(range(8)), list(range(200, 208))
-    fill_host(smgr, store, a)
-    fill_host(smgr, store, b)
-    asked.clear()  # serving them asked the store too
-
-    [lone] = smgr.onboard_start_many([smgr.allocate(2, a, smgr.lookup(2, a))])
-    assert smgr.poll_onboards(wait_s=0.02) == [lone.lease_id] and asked == [0.02]
-    smgr.abort(lone.lease_id)
-
-    asked.clear()
-    pair = smgr.onboard_start_many([smgr.allocate(3, a, smgr.lookup(3, a)), smgr.allocate(4, b, smgr.lookup(4, b))])
-    assert sorted(smgr.poll_onboards(wait_s=0.02)) == sorted(lease.lease_id for lease in pair)
-    assert asked == [0.0, 0.0]
-    assert all(smgr.onboard_result(lease.lease_id).cached_len == 8 for lease in pair)
-
-
 def test_a_late_copy_is_settled_as_a_timeout_even_when_nobody_waits(smgr, store, clock):
     tokens = list(range(8))
     lease, task = started_host_hit(smgr, store, tokens)
