@@ -264,24 +264,21 @@ class KVCacheManager:
         shrinks (same page row). Raises ``LeaseGone`` when the lease was aborted meanwhile."""
         if lease.onboarded:
             return lease
-        timeout_s = self.onboard_wait_s if timeout_s is None else timeout_s
-        task = self.onboard_launch(lease.lease_id, wait_s=timeout_s)
+        task = self.onboard_launch(lease.lease_id)
         return self.onboard_wait(lease.lease_id, task, timeout_s)
 
-    def onboard_launch(self, lease_id: int, wait_s: float = 0.0) -> int | None:
+    def onboard_launch(self, lease_id: int) -> int | None:
         """Start the host -> device copy of a lease's onboard pages; returns the store task id,
         or None when there is nothing to copy (or the store refused: the pages are then
-        recomputed once ``onboard_wait`` is called). ``wait_s``: see ``_ask_store``."""
+        recomputed once ``onboard_wait`` is called)."""
         lease = self.leases.get_lease(lease_id)
         if lease is None or not self.leases.begin_onboard(lease_id):
             return None
-        return self._ask_store(lease, wait_s)
+        return self._ask_store(lease)
 
-    def _ask_store(self, lease: Lease, wait_s: float = 0.0) -> int | None:
+    def _ask_store(self, lease: Lease) -> int | None:
         """``onboard_launch`` after ``begin_onboard``: one ``get_prefix_async``; the lease keeps
-        the onboard pages the store copies; a lookup with unconfirmed host pages is counted.
-        With ``wait_s`` the store may answer once the copy ended (at most ``wait_s`` later): the
-        task is then done, and waiting for it asks the store nothing more."""
+        the onboard pages the store copies; a lookup with unconfirmed host pages is counted."""
         if self.store is None or lease.abort_requested:
             return None
         lease_id = lease.lease_id
@@ -294,7 +291,7 @@ class KVCacheManager:
         try:  # one round trip: the store copies the onboard pages it holds, says how many it holds
             task, held = self.store.get_prefix_async(lease.tokens[: stop * self.page_size],
                                                      slots_for_pages(lease.onboard_pages, self.page_size),
-                                                     lease.namespace, start, wait_s=wait_s)
+                                                     lease.namespace, start)
         except Exception:
             logger.warning("host store get_prefix_async failed for lease %d; recomputing %d pages",
                            lease_id, lease.num_onboard_pages, exc_info=True)
@@ -355,16 +352,11 @@ class KVCacheManager:
             return []
         now = self.clock() if now is None else now
         settled = []
-        # A lone onboard's get_prefix waits for its copy (one round trip, not a get_prefix and a
-        # poll); with others to ask or in flight, each is asked at once, so their copies queue
-        # back to back in the store.
-        lone = len(pending) == 1
         for lease_id, (task, deadline) in list(pending.items()):
             if task is not None:
                 continue
             lease = self.leases.get_lease(lease_id)
-            ask_wait_s = max(0.0, min(wait_s, deadline - now)) if lone else 0.0
-            task = self._ask_store(lease, ask_wait_s) if lease is not None and now < deadline else None
+            task = self._ask_store(lease) if lease is not None and now < deadline else None
             if task is None:  # nothing to copy, refused, gone or late: those pages are computed
                 self._settle_started(lease_id, None, None)
                 settled.append(lease_id)

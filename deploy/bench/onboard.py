@@ -2,9 +2,8 @@
 the serving path, next to a pinned copy of the same bytes, for 2 to 512 pages per onboard.
 
 - `copy`: a plain `copy_` of the bytes from pinned host memory into the pool (the bus's share);
-- `store`: a `get_prefix_async` whose reply waits for the copy, then `try_wait` (answered without
-  asking the store again), against the store process: what the owner's housekeeping thread
-  sends for a lone onboard;
+- `store`: `get_prefix_async` then a waiting `try_wait` against the store process (what the owner's
+  housekeeping thread sends);
 - `owner`: what a served host hit waits for: the owner's lookup, allocate and onboard start, the
   wake, and hstu_compute's `onboard_wait` answered through the control plane (a `KVCacheManager`
   and `ControlServer` in this process, as in kv_lookup_alloc).
@@ -138,7 +137,7 @@ def _store_ms(store: Any, histories: _Histories, n: int, repeats: int) -> float:
     for _ in range(repeats + 1):
         tokens = histories.stored(n)
         t0 = time.perf_counter()
-        task, held = store.get_prefix_async(tokens, slots, NS, first_page=0, wait_s=30.0)
+        task, held = store.get_prefix_async(tokens, slots, NS, first_page=0)
         assert task is not None and held == n, f"the store holds {held} of {n} pages"
         status = store.try_wait([task], wait_s=30.0)[task]
         samples.append(time.perf_counter() - t0)

@@ -70,7 +70,7 @@ class HostStoreClient(abc.ABC):
 
     @abc.abstractmethod
     def get_prefix_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                         first_page: int, wait_s: float = 0.0) -> tuple[int | None, int]:
+                         first_page: int) -> tuple[int | None, int]:
         """A lookup and an onboard in one: ``held``, the longest prefix of whole pages of
         ``token_ids`` the store holds, and the task copying pages ``first_page .. held - 1`` of
         it into their slots (None when there are none to copy). ``slot_mapping`` has one slot
@@ -78,10 +78,7 @@ class HostStoreClient(abc.ABC):
         Returns ``(task_id | None, held)``; ``(None, 0)`` when the store is unreachable.
 
         The caller reserves pages for every candidate before it knows how many the store holds,
-        and recomputes the rest; the store answers both in one round trip. With ``wait_s`` > 0
-        a store may answer once the copy ended (at most ``wait_s`` later): ``try_wait`` then
-        reports the task without asking the store again (a store that answers at once is
-        polled as usual)."""
+        and recomputes the rest; the store answers both in one round trip."""
 
     def may_hold(self, keys: Sequence[bytes]) -> int:
         """How many of the page ``keys``, from the first, the store may hold, read without a

@@ -131,7 +131,7 @@ class StoreProcessClient(HostStoreClient):
         return self._submit(Op.GET, next(self._ids), sel, namespace)
 
     def get_prefix_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
-                         first_page: int, wait_s: float = 0.0) -> tuple[int | None, int]:
+                         first_page: int) -> tuple[int | None, int]:
         tokens = tokens_as_int64(token_ids)
         S = self.page_size
         candidates = np.zeros(tokens.size, dtype=bool)
@@ -141,7 +141,7 @@ class StoreProcessClient(HostStoreClient):
             raise ValueError(f"get_prefix_async: first_page {first_page} leaves no full page of "
                              f"{tokens.size} tokens to copy; ask only for pages past the device prefix")
         task_id = next(self._ids)
-        reply, start_by = self._send_task(Op.GET_PREFIX, task_id, sel, namespace, wait_s=min(wait_s, _MAX_POLL_WAIT_S))
+        reply, start_by = self._send_task(Op.GET_PREFIX, task_id, sel, namespace)
         if reply is None or reply["rpc"] is not RpcStatus.OK:
             if reply is not None:
                 self._count_refusal(Op.GET_PREFIX.value, reply)
@@ -153,13 +153,8 @@ class StoreProcessClient(HostStoreClient):
         if not reply["copying"]:
             return None, held
         with self._lock:
+            self._remote[task_id] = start_by
             self._counters["get_submitted"] += 1
-            if "status" in reply:  # the copy ended before the reply: try_wait reports it without a poll
-                status = Status(reply["status"])
-                self._local[task_id] = status
-                self._counters[f"task_{status.value.lower()}"] += 1
-            else:
-                self._remote[task_id] = start_by
         return task_id, held
 
     def may_hold(self, keys: Sequence[bytes]) -> int:
@@ -275,19 +270,16 @@ class StoreProcessClient(HostStoreClient):
                 self._counters[f"{op.value}_failed"] += 1
         return task_id
 
-    def _send_task(self, op: Op, task_id: int, sel: PageSelection, namespace: str,
-                   wait_s: float = 0.0) -> tuple[dict[str, Any] | None, float]:
-        """Submit a copy task; its reply (None: unreachable) and the time it must start by. With
-        ``wait_s`` > 0 the server may hold the reply until the copy ended (``protocol``)."""
+    def _send_task(self, op: Op, task_id: int, sel: PageSelection,
+                   namespace: str) -> tuple[dict[str, Any] | None, float]:
+        """Submit a copy task; its reply (None: unreachable) and the time it must start by."""
         start_by = time.monotonic() + self.task_start_timeout_s
         header = {"op": op.value, "task": task_id, "ns": namespace, "page_size": self.page_size,
                   "start_by": start_by}
         if self._pool_id is not None:
             header["pool"] = self._pool_id
-        if wait_s > 0:
-            header["wait_s"] = wait_s
         arrays = {"tokens": sel.tokens, "seq_pages": sel.seq_pages, "pool_pages": sel.pool_pages}
-        return self._rpc(header, arrays, accept_deadline=True, timeout_s=self.rpc_timeout_s + wait_s), start_by
+        return self._rpc(header, arrays, accept_deadline=True), start_by
 
     def _rpc(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
              accept_deadline: bool = False, retried: bool = False,

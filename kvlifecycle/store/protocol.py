@@ -7,14 +7,11 @@ Requests (``op``; fields besides ``v``, ``seq``, ``client``):
 - ``put``/``get`` task, ns, page_size, pool,
   accept_by, start_by; arrays tokens,
   seq_pages, pool_pages                          -> {} (accepted; poll for the outcome)
-- ``get_prefix`` as ``get`` [, wait_s];
-  seq_pages are candidates (every full page
-  from the first one asked)                      -> {"pages": k, "copying": bool [, "status"]}: k is
-                                                    the held prefix; the task copies the candidates
-                                                    below k (no task when "copying" is false); with
-                                                    wait_s > 0 the reply waits until the copy ended
-                                                    (then "status" is its done status, reported
-                                                    once, as a poll would) or wait_s passed
+- ``get_prefix`` as ``get``; seq_pages are
+  candidates (every full page from the first
+  one asked)                                     -> {"pages": k, "copying": bool}: k is the held
+                                                    prefix; the task copies the candidates below k
+                                                    (no task when "copying" is false)
 - ``poll`` tasks [, wait_s]                      -> {"tasks": {"<id>": "<Status>"}} (done ones are forgotten);
                                                     with wait_s > 0 the reply waits until one task
                                                     is done or wait_s passed (FlexKV's store

@@ -11,9 +11,7 @@ module is the socket thread: it answers every RPC at once and never copies a pag
   that its copy ended one message after it did, with no polling on either side (a poll loop
   with sleeps cost milliseconds per onboard);
 - ``get_prefix`` asks the pools' backing which prefix of pages it holds (``backing.Backing``)
-  and queues a get of the candidates inside it; with ``wait_s`` its reply, like a waiting
-  poll's, is held until that copy ended (or ``wait_s`` passed) and then carries the copy's
-  status: an onboard costs the client one round trip, not a ``get_prefix`` and then a poll;
+  and queues a get of the candidates inside it;
 - once a second it detaches closed pools and forgets stale tasks.
 
 Every put/get names the pool it copies to/from (``pool`` in the request, sent by a client built
@@ -71,7 +69,6 @@ class StoreServer:
         self._stop = threading.Event()
         self._counters: dict[str, int] = {}
         self._waits = WaitingPolls()
-        self._to_hold: HeldReply | None = None  # set by _dispatch: the reply _reply holds instead of sending
         self._started_at = time.monotonic()
 
     # -- public API ---------------------------------------------------------------------
@@ -103,16 +100,16 @@ class StoreServer:
                     frames = sock.recv_multipart()
                     if not self._waits.defer(frames, self.worker):
                         self._reply(sock, frames)
-                for frames, held in self._waits.due(time.monotonic(), self.worker):
-                    self._reply(sock, frames, held)
+                for frames in self._waits.due(time.monotonic(), self.worker):
+                    self._reply(sock, frames)
                 now = time.monotonic()
                 if now - last_housekeeping > _HOUSEKEEPING_INTERVAL_S:
                     last_housekeeping = now
                     self.pools.detach_closed()
                     self.worker.forget_stale(now)
         finally:
-            for frames, held in self._waits.due(math.inf, self.worker):  # stopping: each gets what is done now
-                self._reply(sock, frames, held)
+            for frames in self._waits.due(math.inf, self.worker):  # stopping: each gets what is done now
+                self._reply(sock, frames)
             sock.close(0)
             ctx.term()
             self.worker.stop()
@@ -137,17 +134,8 @@ class StoreServer:
 
     # -- RPC handling (socket thread) ---------------------------------------------------
 
-    def _reply(self, sock: zmq.Socket, frames: list[bytes], held: HeldReply | None = None) -> None:
-        """Answer ``frames`` now; or, for a ``get_prefix`` that waits for its copy, hold its reply
-        (``WaitingPolls.hold``). ``held``: a held reply that is due, answered with its copy's status."""
-        self._to_hold = None
-        if held is None:
-            reply, status = answer(frames, self._dispatch)
-        else:
-            reply, status = answer(frames, lambda _header, _arrays: held.body(self.worker))
-        if self._to_hold is not None:
-            self._waits.hold(frames, self._to_hold)
-            return
+    def _reply(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        reply, status = answer(frames, self._dispatch)
         if status is RpcStatus.BAD_REQUEST:
             self._count("bad_requests")
         sock.send_multipart(reply)
@@ -192,12 +180,7 @@ class StoreServer:
                 return {"pages": held, "copying": False}
             self.worker.submit(replace(task, seq_pages=task.seq_pages[keep], pool_pages=task.pool_pages[keep],
                                        page_keys=keys))  # hashed once: the copy thread reuses them
-            reply = {"pages": held, "copying": True}
-            wait_s = float(header.get("wait_s", 0))
-            if wait_s > 0:  # answered by _reply's caller once the copy ended
-                self._to_hold = HeldReply(client, task.task_id, reply,
-                                          time.monotonic() + min(wait_s, WaitingPolls.MAX_WAIT_S))
-            return reply
+            return {"pages": held, "copying": True}
         self.worker.submit(task)
         return {}
 
@@ -226,32 +209,14 @@ class StoreServer:
         self._counters[name] = self._counters.get(name, 0) + 1
 
 
-@dataclass(frozen=True)
-class HeldReply:
-    """A ``get_prefix`` reply held until its copy ended (``wait_s``)."""
-
-    client: str
-    task_id: int
-    reply: dict[str, Any]
-    deadline: float
-
-    def body(self, worker: CopyWorker) -> dict[str, Any]:
-        """The reply, with the copy's status once it ended (the task is then forgotten, as a
-        poll that reports it forgets it)."""
-        [status] = worker.poll(self.client, [self.task_id]).values()
-        return {**self.reply, "status": status.value} if status.done else self.reply
-
-
 class WaitingPolls:
-    """Polls with ``wait_s`` whose tasks are all still in flight, and held ``get_prefix`` replies
-    (socket thread only): each is answered by ``due`` once the copy worker reports one of its
-    tasks done, or at its deadline."""
+    """Polls with ``wait_s`` whose tasks are all still in flight (socket thread only): each is
+    answered by ``due`` once the copy worker reports one of its tasks done, or at its deadline."""
 
     MAX_WAIT_S = 60.0  # a client asking for longer is answered by then and polls again
 
     def __init__(self) -> None:
-        # frames, client, tasks, deadline, and the held reply (None: a poll, answered afresh)
-        self._waiting: list[tuple[list[bytes], str, list[int], float, HeldReply | None]] = []
+        self._waiting: list[tuple[list[bytes], str, list[int], float]] = []  # frames, client, tasks, deadline
 
     def defer(self, frames: list[bytes], worker: CopyWorker) -> bool:
         """True when ``frames`` is a poll to answer later; any other request, a malformed one (the
@@ -266,26 +231,21 @@ class WaitingPolls:
             return False
         if not tasks or worker.any_done(client, tasks):
             return False
-        self._waiting.append((frames, client, tasks, time.monotonic() + wait_s, None))
+        self._waiting.append((frames, client, tasks, time.monotonic() + wait_s))
         return True
 
-    def hold(self, frames: list[bytes], held: HeldReply) -> None:
-        """Hold ``held`` (the reply to ``frames``) until its copy ended or its deadline; ``due``
-        answers it (at once when the copy already ended)."""
-        self._waiting.append((frames, held.client, [held.task_id], held.deadline, held))
-
-    def due(self, now: float, worker: CopyWorker) -> list[tuple[list[bytes], HeldReply | None]]:
-        """The waiting polls and held replies to answer now; the others keep waiting."""
+    def due(self, now: float, worker: CopyWorker) -> list[list[bytes]]:
+        """The waiting polls to answer now; the others keep waiting."""
         due, waiting = [], []
         for entry in self._waiting:
-            _frames, client, tasks, deadline, _held = entry
+            frames, client, tasks, deadline = entry
             (due if now >= deadline or worker.any_done(client, tasks) else waiting).append(entry)
         self._waiting = waiting
-        return [(frames, held) for frames, *_, held in due]
+        return [frames for frames, *_ in due]
 
     def poll_timeout_ms(self, now: float) -> int:
         """How long the socket thread may sleep: until the nearest deadline, at most 100 ms."""
-        nearest = min((deadline for *_, deadline, _held in self._waiting), default=now + 0.1)
+        nearest = min((deadline for *_, deadline in self._waiting), default=now + 0.1)
         return max(0, min(100, math.ceil((nearest - now) * 1000)))
 
 

@@ -48,7 +48,7 @@ class FakeStore:
             self.tasks[task] = self.get_status or "NOTFOUND"
         return task
 
-    def get_prefix_async(self, token_ids, slot_mapping, namespace, first_page, wait_s=0.0):
+    def get_prefix_async(self, token_ids, slot_mapping, namespace, first_page):
         """The held prefix, and a ``get_async`` of its pages from ``first_page`` on (tests
         wrap ``get_async`` to see the copy asked for)."""
         self._maybe_raise("get_prefix_async")

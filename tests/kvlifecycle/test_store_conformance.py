@@ -182,35 +182,6 @@ def test_a_waiting_poll_is_answered_when_the_copy_ends_not_at_its_deadline(make_
     assert time.monotonic() - asked < 0.9, "answered at the deadline, not when the copy ended"
 
 
-def test_a_get_prefix_that_waits_is_answered_when_its_copy_ends(make_store, pool):
-    """get_prefix_async with wait_s: the store holds its reply until the copy ended, so the task is
-    done when it returns, and try_wait reports it without asking the store (no poll reaches it).
-    With a wait shorter than the copy, the reply comes at that deadline, and the task is polled
-    as before."""
-    delay_s = COPY_DELAY_S / 4  # under the client's cap on one held reply (1 s)
-    harness = make_store(copy_delay_s=delay_s)
-    store, ns = harness.client(), harness.ns
-    expected = fill_random(pool, [1, 2], seed=11)
-    seq = tokens(2, start=5000)
-    put = store.put_async(seq, slots([1, 2]), ns)
-    assert store.wait([put], timeout_s=10)[put] is Status.SUCCESS
-    polls = store.server_stats()["rpc_poll"]
-
-    asked = time.monotonic()
-    task, held = store.get_prefix_async(seq, slots([5, 6]), ns, first_page=0, wait_s=30.0)
-    waited = time.monotonic() - asked
-    assert held == 2 and task is not None
-    assert delay_s <= waited < 0.9, f"answered after {waited:.2f} s: not when the copy ended"
-    assert store.try_wait([task]) == {task: Status.SUCCESS}
-    assert store.server_stats()["rpc_poll"] == polls, "the done task was polled for"
-    assert torch.equal(pool.tensor[:, [5, 6]].cpu(), expected)
-
-    task, held = store.get_prefix_async(seq, slots([7, 8]), ns, first_page=0, wait_s=0.05)
-    assert held == 2 and store.try_wait([task]) == {task: Status.UNREADY}, "answered at its deadline"
-    assert store.wait([task], timeout_s=10) == {task: Status.SUCCESS}
-    assert torch.equal(pool.tensor[:, [7, 8]].cpu(), expected)
-
-
 def test_a_wait_on_a_store_that_dies_mid_copy_fails_the_task_instead_of_holding_the_caller(make_store, pool):
     """The waiting poll is held by the server; when the server dies with it, the caller is held one
     capped poll plus an RPC timeout, then fails open: the task is FAILED once its start_by (plus a
