@@ -64,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     # path (fresh pages for each lease) would pay and the store path (the same pages) would not.
     pool.tensor.zero_()
     endpoint, control_endpoint = default_endpoint("store.sock"), default_endpoint("control.sock")
+    # Room for every history of the run, so that each copy reads fresh, contiguous rows (GBs: the
+    # store zeroes them when the first pool registers, which outlasted the default 10 s register
+    # timeout on a loaded machine).
     proc = start_store_process(endpoint, dram_bytes=spec.page_bytes * n_max * (3 * a.repeats + 4),
                                ready_timeout_s=60)
-    owner_store = open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0)
+    owner_store = open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0,
+                             register_timeout_s=120.0)
     putter = open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0,
                         pool_handle=pool.handle())
     manager = KVCacheManager(spec, NS, store=owner_store)
