@@ -69,9 +69,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, argparse.Na
     add_serving_options(p, SERVE_OPTIONS, store="embedded")
     p.add_argument("--mooncake-master", default="", metavar="HOST:PORT",
                    help="--store mooncake: the running mooncake_master every server shares")
-    p.add_argument("--store-dram-bytes", type=int, default=2 << 30)
+    p.add_argument("--store-dram-bytes", type=int, default=LaunchConfig.store_dram_bytes)
     p.add_argument("--store-disk-dir", type=Path, help="enable the store's disk tier in this directory")
-    p.add_argument("--store-disk-bytes", type=int, default=16 << 30,
+    p.add_argument("--store-disk-bytes", type=int, default=LaunchConfig.store_disk_bytes,
                    help="the disk tier's capacity; least recently used pages are dropped past it (default 16 GiB)")
     p.add_argument("--model-control", choices=["none", "explicit"], default="none")
     p.add_argument("--ready-timeout", type=float, default=300.0)
