@@ -19,7 +19,7 @@ import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEVICES, REPO_ROOT, STORE_KINDS, ServingSettings
+from deploy.runtime.settings import DEFAULT_MODEL_DIR, DEVICES, HOST_HIT_COPIERS, REPO_ROOT, STORE_KINDS, ServingSettings
 
 # ServingSettings field -> its option's help. Choices come from the settings module's own lists.
 HELP: dict[str, str] = {
@@ -32,13 +32,16 @@ HELP: dict[str, str] = {
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
     "min_host_pages": ("the fewest pages past the device prefix worth onboarding from the host store; a "
                        "request with fewer recomputes them (README: when a host hit pays)"),
+    "host_hit_copy": ("who copies a host hit's pages into the ensemble's pool: reader (hstu_compute, from the "
+                      "embedded store's DRAM tier in shared memory) or store (the store process; always so for "
+                      "flexkv and mooncake)"),
     "cuda_graphs": ("--device cuda: the most CUDA graphs of the compiled forward hstu_compute keeps, one per "
                     "bucketed batch shape (0: none, every batch calls the package)"),
     "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
                                "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "store": STORE_KINDS}
+CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "store": STORE_KINDS, "host_hit_copy": HOST_HIT_COPIERS}
 
 
 def add_serving_options(parser: argparse.ArgumentParser, names: tuple[str, ...], **defaults: object) -> None:

@@ -112,6 +112,10 @@ class Lease:
     # The onboard pages are candidates the lookup did not ask the host store about: the onboard's
     # launch asks (one round trip), keeps those it holds and counts the lookup's outcome.
     host_unconfirmed: bool = False
+    # The reader (hstu_compute) copies the onboard pages from the store's shared slab itself and
+    # computes those it cannot copy: the owner never learns which, so commit offloads them all
+    # (the store skips the keys it holds).
+    onboard_by_reader: bool = False
 
     @property
     def cached_len(self) -> int:
@@ -237,6 +241,20 @@ class LeaseTable:
             )
             lease = replace(lease, store_task=store_task, num_onboard_pages=pages)
             self._leases[lease_id] = lease
+            return lease
+
+    def hand_onboard_to_reader(self, lease_id: int) -> Lease | None:
+        """The lease's onboard pages are the reader's to fill (copied from the store's shared slab,
+        or computed): the lease is settled now, its ``cached_len`` kept. None: lease gone."""
+        with self._lock:
+            lease = self._request_lease(lease_id)
+            if lease is None:
+                return None
+            assert not lease.onboarding and not lease.onboarded, (
+                f"LeaseTable.hand_onboard_to_reader: lease {lease_id} already onboarding or onboarded")
+            lease = replace(lease, onboarded=True, onboard_by_reader=True)
+            self._leases[lease_id] = lease
+            self.counters["onboard_reader_pages"] += lease.num_onboard_pages
             return lease
 
     def finish_onboard(self, lease_id: int, ok_pages: int,
@@ -503,7 +521,7 @@ class LeaseTable:
         for i in range(lease.num_device_pages, num_full):
             page = row[i]
             key = lease.keys[i]
-            kept = self.pages.commit(page, lease_id, key, in_host=i < onboard_end)
+            kept = self.pages.commit(page, lease_id, key, in_host=i < onboard_end and not lease.onboard_by_reader)
             if kept != page:
                 self.counters["duplicate_pages"] += 1
                 row[i] = kept

@@ -138,13 +138,15 @@ class KVCacheManager:
     ``min_host_pages``: the host store is asked only when at least this many full pages follow
     the device prefix (``MIN_HOST_PAGES``). ``pool_wait_s``: how long a request the pool cannot hold now
     waits for pages other requests or offloads in flight still hold, before ``PoolExhausted``
-    (0: fail at once)."""
+    (0: fail at once). ``onboard_by_reader``: where the store's DRAM tier is shared
+    (``store.slab``), ``onboard_start_many`` hands each onboard to the process that reads the pages
+    (it copies them from the slab itself) instead of starting a store copy."""
 
     def __init__(self, pool_spec: PoolSpec, namespace: str, store: "HostStoreClient | None" = None,
                  *, offload: bool | None = None, lease_ttl_s: float = LEASE_TTL_S,
                  offload_ttl_s: float = OFFLOAD_TTL_S, onboard_wait_s: float = TIMEOUTS.onboard_wait_s,
                  min_host_pages: int = MIN_HOST_PAGES, pool_wait_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 onboard_by_reader: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if not namespace:
             raise ValueError("KVCacheManager.namespace: expected a non-empty model fingerprint, got ''")
         self.spec = pool_spec
@@ -155,6 +157,7 @@ class KVCacheManager:
         self.onboard_wait_s = onboard_wait_s
         self.min_host_pages = min_host_pages
         self.pool_wait_s = pool_wait_s
+        self.onboard_by_reader = onboard_by_reader
         self.clock = clock
         self.keys = PrefixKeys(pool_spec.page_size)  # a request hashes only the pages its history added
         self.leases = LeaseTable(pool_spec.num_pages, pool_spec.page_size,
@@ -323,6 +326,9 @@ class KVCacheManager:
             if not isinstance(lease, Lease) or lease.onboarded:
                 out.append(lease)
                 continue
+            if self.onboard_by_reader and self.store is not None and self.store.slab is not None:
+                out.append(self._hand_to_reader(lease))
+                continue
             if self.store is None or not self.leases.begin_onboard(lease.lease_id):
                 try:
                     out.append(self._settle_onboard(lease.lease_id, None, None))
@@ -333,6 +339,29 @@ class KVCacheManager:
                 self._in_flight[lease.lease_id] = (None, self.clock() + self.onboard_wait_s)
             out.append(self.leases.get_lease(lease.lease_id) or LeaseGone(
                 f"onboard_start_many: lease {lease.lease_id} was aborted during its start"))
+        return out
+
+    def _hand_to_reader(self, lease: Lease) -> Lease | LeaseGone:
+        """``onboard_start_many`` where the store's DRAM tier is shared: the lease is settled with
+        its onboard pages, which the reader copies from the slab or computes (``reader_onboard_keys``
+        says which keys they hold)."""
+        settled = self.leases.hand_onboard_to_reader(lease.lease_id)
+        if settled is None:
+            return LeaseGone(f"onboard_start_many: lease {lease.lease_id} was aborted during its start")
+        if lease.host_unconfirmed:  # the key filter says the store may hold them: counted as a host hit
+            self.leases.count(lookups_key(HOST_HIT))
+        return settled
+
+    def reader_onboard_keys(self, lease_ids: Sequence[int]) -> list[tuple[bytes, ...]]:
+        """The page keys of each lease's onboard pages that its reader copies (``_hand_to_reader``);
+        empty for a lease without."""
+        out = []
+        for lease_id in lease_ids:
+            lease = self.leases.get_lease(lease_id)
+            if lease is None or not lease.onboard_by_reader:
+                out.append(())
+            else:
+                out.append(lease.keys[lease.num_device_pages: lease.num_device_pages + lease.num_onboard_pages])
         return out
 
     def onboards_in_flight(self) -> int:

@@ -220,6 +220,7 @@ def _lease_tensors(leases: list, copying_only: bool) -> tuple[torch.Tensor, torc
     for b, (lease, row) in enumerate(zip(leases, rows)):
         if isinstance(lease, Lease):
             meta[b] = (lease.lease_id, lease.cached_len,
-                       lease.num_onboard_pages if lease.onboarding or not copying_only else 0)
+                       lease.num_onboard_pages if lease.onboarding or lease.onboard_by_reader or not copying_only
+                       else 0)
             page_rows[b, :len(row)] = row
     return torch.from_numpy(meta), torch.from_numpy(page_rows)

@@ -57,6 +57,7 @@ class RpcStatus(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # malformed or inconsistent request; ``error`` names the field
     NO_POOL = "no_pool"          # store: the transfer's page pool is not attached (register_pool, then retry)
     BUSY = "busy"                # store: stopping, or the request came after its accept deadline
+    UNSUPPORTED = "unsupported"  # store: this store cannot do that (e.g. locate without a shared slab)
     ERROR = "error"              # the server failed (a bug); ``error`` says where
 
 

@@ -38,6 +38,7 @@ LEASE_COUNTERS = (
     "onboard_failed_pages", "onboard_misses", "quarantined_pages", "store_errors",
     "store_timeouts", "offloads_ok", "offloads_failed", "offload_pins_expired",
     "offload_done_unknown", "uncommitted_prefix_lookups", "pool_waits", "host_filtered_lookups",
+    "onboard_reader_pages",
 )
 
 # ``OffloadWorker.stats()`` (with a store: ``Offloader`` counters and the store's errors).

@@ -6,9 +6,12 @@ the serving path, next to a pinned copy of the same bytes, for 2 to 512 pages pe
   housekeeping thread sends);
 - `owner`: what a served host hit waits for: the owner's lookup, allocate and onboard start, the
   wake, and hstu_compute's `onboard_wait` answered through the control plane (a `KVCacheManager`
-  and `ControlServer` in this process, as in kv_lookup_alloc).
+  and `ControlServer` in this process, as in kv_lookup_alloc);
+- `reader`: the same host hit with `--host-hit-copy reader`: the owner's lookup, allocate and
+  hand-over, then hstu_compute's `OnboardReader.copy` (one `locate`, its own copy from the store's
+  shared slab, the version check).
 
-`owner - copy` is the onboard's fixed cost (issue goal: under 0.3 ms on the GPU).
+`owner - copy` and `reader - copy` are the onboard's fixed cost (issue goal: under 0.3 ms on the GPU).
 
     .venv/bin/python -m deploy.bench.onboard [--device cuda] [--layers 3 --heads 4 --head-dim 128]
         [--dtype bfloat16] [--repeats 20]
@@ -29,6 +32,8 @@ import numpy as np
 import torch
 
 from deploy.bench.report import write_dated_report
+from deploy.runtime.compute_plan import ComputePlan
+from deploy.runtime.onboard_reader import OnboardReader
 from kvlifecycle.control import ControlClient, ControlServer
 from kvlifecycle.gil import hand_over_gil_promptly
 from kvlifecycle.manager import KVCacheManager
@@ -36,6 +41,7 @@ from kvlifecycle.pool import PagePool, PoolSpec, slots_for_pages
 from kvlifecycle.rpc import default_endpoint
 from kvlifecycle.store import Status, open_store
 from kvlifecycle.store.processes import start_store_process
+from kvlifecycle.store.protocol import keys_to_words
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
 PAGES_PER_ONBOARD = (2, 8, 32, 128, 512)
@@ -76,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     manager = KVCacheManager(spec, NS, store=owner_store)
     control = ControlServer(manager, control_endpoint)
     waiter = ControlClient(control_endpoint)
+    # The reader path: an owner that hands onboards over, and hstu_compute's reader with its own client.
+    handing = KVCacheManager(spec, NS, store=owner_store, onboard_by_reader=True)
+    reader = OnboardReader(open_store("embedded", endpoint=endpoint, page_size=spec.page_size, rpc_timeout_s=5.0),
+                           pin_s=2.0)
     rows = []
     try:
         assert owner_store.register_pool(pool.handle()), f"the store did not take the pool; log {proc.log_path}"
@@ -84,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             copy_ms = _pinned_copy_ms(pool, n, a.repeats)
             store_ms = _store_ms(owner_store, histories, n, a.repeats)
             owner_ms = _owner_ms(manager, control, waiter, histories, n, a.repeats)
+            reader_ms = _reader_ms(handing, reader, pool, histories, n, a.repeats) if owner_store.slab else float("nan")
             rows.append({"pages": n, "bytes": n * spec.page_bytes, "copy_ms": copy_ms, "store_ms": store_ms,
-                         "owner_ms": owner_ms, "fixed_ms": owner_ms - copy_ms})
+                         "owner_ms": owner_ms, "fixed_ms": owner_ms - copy_ms, "reader_ms": reader_ms,
+                         "reader_fixed_ms": reader_ms - copy_ms})
             print(f"{n:4d} pages ({n * spec.page_bytes / 2**20:7.2f} MiB): pinned copy {copy_ms:6.3f} ms | store "
                   f"{store_ms:6.3f} ms | through the owner {owner_ms:6.3f} ms (fixed {owner_ms - copy_ms:6.3f} ms, "
-                  f"{copy_ms / owner_ms:.2f}x the copy's speed)")
+                  f"{copy_ms / owner_ms:.2f}x the copy's speed) | by the reader {reader_ms:6.3f} ms (fixed "
+                  f"{reader_ms - copy_ms:6.3f} ms)")
     finally:
+        reader.close()
         waiter.close()
         control.close()
         putter.close()
@@ -161,6 +175,27 @@ def _owner_ms(manager: KVCacheManager, control: ControlServer, waiter: ControlCl
         [outcome] = waiter.onboard_wait([lease.lease_id], timeout_s=30.0)
         samples.append(time.perf_counter() - t0)
         assert outcome.cached_len == tokens.size, f"onboarded {outcome.cached_len} of {tokens.size} tokens"
+        manager.abort(lease.lease_id)
+    return _median_ms(samples)
+
+
+def _reader_ms(manager: KVCacheManager, reader: OnboardReader, pool: PagePool, histories: _Histories,
+               n: int, repeats: int) -> float:
+    samples = []
+    S = pool.spec.page_size
+    for user in range(repeats + 1):
+        tokens = histories.stored(n)
+        t0 = time.perf_counter()
+        hit = manager.lookup(user, tokens)
+        [lease] = manager.onboard_start_many([manager.allocate(user, tokens, hit)])
+        [keys] = manager.reader_onboard_keys([lease.lease_id])
+        plan = ComputePlan(new_tokens=torch.from_numpy(tokens[lease.device_tokens:]), cached_len=lease.cached_len,
+                           onboard_len=lease.num_onboard_pages * S, page_row=torch.tensor(lease.page_row),
+                           candidates=torch.ones(1, dtype=torch.int64), namespace_tag=0, lease_id=lease.lease_id,
+                           onboard_keys=torch.from_numpy(keys_to_words(list(keys))))
+        [copied] = reader.copy(pool, [plan])
+        samples.append(time.perf_counter() - t0)
+        assert copied == n, f"the reader copied {copied} of {n} pages"
         manager.abort(lease.lease_id)
     return _median_ms(samples)
 

@@ -62,12 +62,13 @@ def open_store_client(settings: ServingSettings, page_size: int,
                       rpc_timeout_s=settings.store_timeout_s)
 
 
-def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVCache:
+def open_kv_cache(config, settings: ServingSettings, namespace: str, onboard_by_reader: bool = False) -> OwnedKVCache:
     """The owner's pool, store client and manager. A request the pool cannot hold waits up to
     ``pool_wait_s`` for pages still pinned by the previous requests' offloads: a put to a dead
     store holds its pages for one store RPC timeout before it fails and is reaped, so twice that
     (at least 1 s) lets a long request follow another one on a pool the first one filled,
-    instead of failing it."""
+    instead of failing it. ``onboard_by_reader``: the process that computes (hstu_compute) copies
+    host hits from the store's shared DRAM tier (`KVCacheManager`'s option of that name)."""
     pool = PagePool.create(pool_spec(config, settings))
     handle = pool.handle()
     store = open_store_client(settings, pool.spec.page_size, owned_pool=pool)
@@ -76,5 +77,5 @@ def open_kv_cache(config, settings: ServingSettings, namespace: str) -> OwnedKVC
                        settings.store_socket)
     manager = KVCacheManager(pool.spec, namespace, store=store, lease_ttl_s=settings.lease_ttl_s,
                              onboard_wait_s=settings.timeouts.onboard_wait_s, min_host_pages=settings.min_host_pages,
-                             pool_wait_s=max(1.0, 2 * settings.store_timeout_s))
+                             pool_wait_s=max(1.0, 2 * settings.store_timeout_s), onboard_by_reader=onboard_by_reader)
     return OwnedKVCache(pool, handle, manager, store)

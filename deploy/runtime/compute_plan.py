@@ -4,8 +4,9 @@ Seven small tensors cost the Python backend a shared-memory buffer and a DLPack 
 on the way out of kv_lookup_alloc and again into hstu_compute: about 0.05 ms apiece on the CPU
 machine, at every request. So a request's plan travels as one int64 tensor:
 
-    [cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages,
-     new_tokens (num_new_tokens), page_row (num_pages), candidates (the rest)]
+    [cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages, num_onboard_keys,
+     new_tokens (num_new_tokens), page_row (num_pages), onboard_keys (2 * num_onboard_keys),
+     candidates (the rest)]
 
 `ComputePlan.pack` writes it; `ComputePlan.unpack` reads it back, checking its lengths.
 """
@@ -16,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-HEADER = 6  # cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages
+HEADER = 7  # cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages, num_onboard_keys
+_NO_KEYS = torch.zeros((0, 2), dtype=torch.int64)
 
 
 class ComputePlan(NamedTuple):
@@ -29,13 +31,17 @@ class ComputePlan(NamedTuple):
     candidates: torch.Tensor  # int64 [c]
     namespace_tag: int  # the lease's KV namespace (kvlifecycle.hashing.namespace_tag)
     lease_id: int  # the request's lease in the owner
+    # int64 [onboard pages, 2]: the onboard pages' keys when hstu_compute copies them from the
+    # store's shared slab itself (kvlifecycle.store.slab); none when the owner settles the onboard
+    onboard_keys: torch.Tensor = _NO_KEYS
 
     def pack(self) -> torch.Tensor:
         # numpy: one concatenate of small arrays costs a fraction of torch's per-op dispatch
         header = (self.cached_len, self.onboard_len, self.namespace_tag, self.lease_id, self.new_tokens.numel(),
-                  self.page_row.numel())
+                  self.page_row.numel(), self.onboard_keys.shape[0])
         return torch.from_numpy(np.concatenate([np.asarray(header, dtype=np.int64), self.new_tokens.reshape(-1).numpy(),
-                                                self.page_row.reshape(-1).numpy(), self.candidates.reshape(-1).numpy()]))
+                                                self.page_row.reshape(-1).numpy(), self.onboard_keys.reshape(-1).numpy(),
+                                                self.candidates.reshape(-1).numpy()]))
 
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> "ComputePlan":
@@ -43,15 +49,24 @@ class ComputePlan(NamedTuple):
         values = flat.numpy().reshape(-1)  # sliced in numpy: a fraction of torch's per-op cost
         if values.size < HEADER:
             raise ValueError(f"compute_plan: expected at least {HEADER} values, got {values.size}")
-        cached_len, onboard_len, tag, lease_id, n, p = values[:HEADER].tolist()
-        if n < 0 or p < 0 or HEADER + n + p > values.size:
-            raise ValueError(f"compute_plan: {n} new tokens and {p} pages do not fit in {values.size} values")
+        cached_len, onboard_len, tag, lease_id, n, p, k = values[:HEADER].tolist()
+        if n < 0 or p < 0 or k < 0 or HEADER + n + p + 2 * k > values.size:
+            raise ValueError(f"compute_plan: {n} new tokens, {p} pages and {k} onboard keys do not fit in "
+                             f"{values.size} values")
         if not 0 <= onboard_len <= cached_len:  # the owner writes onboard_len <= cached_len, both >= 0
             raise ValueError(f"compute_plan: onboard_len {onboard_len} outside [0, cached_len {cached_len}]")
-        new_end, row_end = HEADER + n, HEADER + n + p
+        new_end, row_end, keys_end = HEADER + n, HEADER + n + p, HEADER + n + p + 2 * k
         return cls(new_tokens=torch.from_numpy(values[HEADER:new_end]), cached_len=cached_len,
                    onboard_len=onboard_len, page_row=torch.from_numpy(values[new_end:row_end]),
-                   candidates=torch.from_numpy(values[row_end:]), namespace_tag=tag, lease_id=lease_id)
+                   candidates=torch.from_numpy(values[keys_end:]), namespace_tag=tag, lease_id=lease_id,
+                   onboard_keys=torch.from_numpy(values[row_end:keys_end]).reshape(k, 2))
+
+    def after_onboard(self, copied: int, page_row: torch.Tensor | None = None) -> "ComputePlan":
+        """The plan once its onboard ended with the first ``copied`` onboard tokens in the pool
+        (on ``page_row``: a quarantine moves the lease); the tokens not copied are computed."""
+        assert 0 <= copied <= self.onboard_len, f"after_onboard: copied {copied} of {self.onboard_len} onboard tokens"
+        return self._replace(new_tokens=self.new_tokens[copied:], cached_len=self.cached_len - self.onboard_len + copied,
+                             onboard_len=0, onboard_keys=_NO_KEYS, page_row=self.page_row if page_row is None else page_row)
 
     @staticmethod
     def lease_id_of(flat: torch.Tensor) -> int:

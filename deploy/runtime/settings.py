@@ -22,6 +22,7 @@ from kvlifecycle.store import STORE_KINDS  # the one list of host store backends
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = DEFAULT_MODEL_DIR.parents[1]
 DEVICES = ("cpu", "cuda")
+HOST_HIT_COPIERS = ("reader", "store")
 
 _PREFIX = "HSTU_"
 
@@ -62,6 +63,11 @@ class ServingSettings:
     # fewer recomputes them. Where a host hit costs what a miss does (README, "When a host hit
     # pays"), raise it to recompute histories up to that length.
     min_host_pages: int = MIN_HOST_PAGES
+    # Who copies a host hit's pages into the ensemble's pool: "reader" (hstu_compute, straight from
+    # the embedded store's DRAM tier in shared memory, in the execute that computes the request)
+    # or "store" (the store process, polled by kv_lookup_alloc's control thread). A store whose
+    # DRAM tier is not shared (flexkv, mooncake, /dev/shm too small) always copies itself.
+    host_hit_copy: str = "store"
     # hstu_compute on CUDA: the most CUDA graphs of the compiled forward it keeps, one per bucketed
     # batch shape (compute.graphs; CUDA_GRAPHS is a trace's worth); 0 calls the package directly
     # every time. Ignored on the CPU. Off until measured on the GPU.
@@ -84,6 +90,8 @@ class ServingSettings:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
         if self.cuda_graphs < 0:
             raise ValueError(f"HSTU_CUDA_GRAPHS={self.cuda_graphs}: expected >= 0 graphs (0: none)")
+        if self.host_hit_copy not in HOST_HIT_COPIERS:
+            raise ValueError(f"HSTU_HOST_HIT_COPY={self.host_hit_copy!r}: expected one of {HOST_HIT_COPIERS}")
         if self.min_host_pages < 1:
             raise ValueError(f"HSTU_MIN_HOST_PAGES={self.min_host_pages}: expected >= 1 page")
         for name in ("lease_ttl_s", "store_timeout_s"):

@@ -60,6 +60,8 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
        for outcome in LOOKUP_OUTCOMES},
     "cached_tokens_served": ("hstu_kv_cached_tokens_total", "counter", "History tokens served from the KV cache", {}),
     "onboarded_pages": ("hstu_kv_onboarded_pages_total", "counter", "Pages copied host store -> device pool", {}),
+    "onboard_failed_pages": ("hstu_kv_onboard_failed_pages_total", "counter",
+                             "Host-hit pages recomputed: the store no longer held them, or their copy failed", {}),
     "pages_free": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "free"}),
     "pages_in_use": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "in_use"}),
     "pages_pinned": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "pinned"}),

@@ -16,7 +16,7 @@ from kvlifecycle.hashing import TokenIds, tokens_as_int64
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Status", "HostStoreClient", "PageSelection", "select_pages"]
+__all__ = ["Status", "HostStoreClient", "Located", "PageSelection", "select_pages"]
 
 DEFAULT_WAIT_TIMEOUT_S = 20.0
 
@@ -47,6 +47,15 @@ class HostStoreClient(abc.ABC):
     """
 
     page_size: int
+    # The store's shared DRAM slab (``slab.SharedSlab.handle()``), learnt at ``register_pool``:
+    # its readers copy host hits themselves (``locate``). None: the store copies them (get_prefix).
+    slab: dict[str, Any] | None = None
+
+    def locate(self, key_lists: Sequence[Sequence[bytes]], pin_s: float) -> "Located | None":
+        """Where each request's held pages sit in the shared slab (its held prefix of
+        ``key_lists[i]``), pinned for ``pin_s``; None when the store cannot say (unreachable, or
+        no shared slab): the caller computes those pages."""
+        return None
 
     @abc.abstractmethod
     def register_pool(self, handle: dict[str, Any]) -> bool:
@@ -114,6 +123,16 @@ class HostStoreClient(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Located:
+    """A ``locate`` reply: the slab to map, and per request the rows of its held prefix and
+    their versions (``slab.SharedSlab.unchanged`` checks them after the copy)."""
+
+    slab: dict[str, Any]
+    rows: list[np.ndarray]
+    versions: list[np.ndarray]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ by the page hash chain (``kvlifecycle.hashing.page_keys``). The server makes one
 4. ``stats() -> dict`` (any thread), ``close()`` once, after the copy thread stopped (flushes
    what is written behind).
 
+A backing whose pages sit in shared memory (the local one, ``slab.SharedSlab``) also answers
+``slab_handle()`` and ``locate(requests, pin_s)`` (socket thread): where each request's pages
+are, pinned, so that the reader copies them itself. The others answer ``slab_handle() -> None``.
+
 ``held_prefix`` may run while the copy thread runs ``put``/``get``: each backing guards its
 own indexes. Backings: ``LocalBacking`` here; ``MooncakeBacking`` (``mooncake.py``).
 """
@@ -26,6 +30,7 @@ import abc
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -68,6 +73,15 @@ class Backing(abc.ABC):
     def close(self) -> None:
         """Flush and release; called once, after the last ``put``/``get``."""
 
+    def slab_handle(self) -> dict[str, Any] | None:
+        """The shared slab readers map (``SharedSlab.handle()``); None: this backing has none."""
+        return None
+
+    def locate(self, requests: list[list[bytes]], pin_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each request's keys, the slab rows of its held prefix and their versions, pinned
+        for ``pin_s``. Only where ``slab_handle()`` is not None."""
+        raise NotImplementedError(f"{type(self).__name__} has no shared slab")
+
 
 # Makes the backing for one page geometry: (host page shape [L, 2, S, H, D], dtype, pin_memory).
 BackingFactory = Callable[[tuple[int, ...], torch.dtype, bool], Backing]
@@ -81,6 +95,7 @@ class LocalConfig:
     disk_dir: Path | None = None
     disk_bytes: int = 0  # 0: unbounded
     key_filter: Path | None = None  # where to publish the held keys' filter (key_filter.py); None: nowhere
+    shared_slab: bool = True  # the DRAM tier in /dev/shm, so readers copy host hits themselves (slab.py)
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -100,7 +115,7 @@ class LocalBacking(Backing):
 
     def __init__(self, config: LocalConfig, page_shape: tuple[int, ...], dtype: torch.dtype,
                  pin_memory: bool) -> None:
-        self.dram = DramTier(config.dram_bytes, page_shape, dtype, pin_memory=pin_memory)
+        self.dram = DramTier(config.dram_bytes, page_shape, dtype, pin_memory=pin_memory, shared=config.shared_slab)
         self.disk = (DiskTier(config.disk_dir, page_shape, dtype, capacity_bytes=config.disk_bytes)
                      if config.disk_dir is not None else None)
         self._pin_memory = pin_memory
@@ -171,6 +186,25 @@ class LocalBacking(Backing):
         self._counters["get_bytes"] += len(keys) * self.dram.page_bytes
         return Status.SUCCESS
 
+    def slab_handle(self) -> dict[str, Any] | None:
+        return self.dram.shared.handle() if self.dram.shared is not None else None
+
+    def locate(self, requests: list[list[bytes]], pin_s: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Pages only on disk are read into DRAM first (on the caller's thread: the restart case)."""
+        assert self.dram.shared is not None, "LocalBacking.locate: the DRAM tier is private"
+        until = time.monotonic() + pin_s
+        out = []
+        for keys in requests:
+            with self._lock:
+                rows = self._pin_held(keys, until)
+            if len(rows) < len(keys) and self.disk is not None and self._load_from_disk(keys[len(rows):], set(keys)):
+                with self._lock:
+                    rows += self._pin_held(keys[len(rows):], until)
+            found = np.asarray(rows, dtype=np.int64)
+            out.append((found, self.dram.shared.versions_of(found)))  # pinned: no version moves now
+            self._counters["located_pages"] += len(rows)
+        return out
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = {"backing": "local", "page_bytes": self.dram.page_bytes,
@@ -184,17 +218,40 @@ class LocalBacking(Backing):
     def close(self) -> None:
         if self.key_filter is not None:
             self.key_filter.close()
-        if self.disk is None:
-            return
-        if self.disk.close(timeout_s=_DISK_FLUSH_TIMEOUT_S):
-            logger.info("disk write-behind queue flushed (%d pages on disk)", len(self.disk))
-        else:
-            logger.error("disk write-behind queue did not drain within %.0f s; pages lost", _DISK_FLUSH_TIMEOUT_S)
+        if self.disk is not None:
+            if self.disk.close(timeout_s=_DISK_FLUSH_TIMEOUT_S):
+                logger.info("disk write-behind queue flushed (%d pages on disk)", len(self.disk))
+            else:
+                logger.error("disk write-behind queue did not drain within %.0f s; pages lost", _DISK_FLUSH_TIMEOUT_S)
+        self.dram.close()
 
     # -- helpers ------------------------------------------------------------------------
 
     def _held_keys(self) -> list[bytes]:
         return self.dram.keys() + (self.disk.keys() if self.disk is not None else [])
+
+    def _pin_held(self, keys: list[bytes], until: float) -> list[int]:
+        """The DRAM rows of the held prefix of ``keys``, pinned (under the index lock)."""
+        rows = []
+        for key in keys:
+            row = self.dram.row(key)
+            if row is None:
+                break
+            rows.append(row)
+        self.dram.pin(rows, until)
+        return rows
+
+    def _load_from_disk(self, keys: list[bytes], keep: set[bytes]) -> bool:
+        """Read the leading ``keys`` held on disk into DRAM; False when the first is not there."""
+        pages = []
+        for key in keys:
+            page = self.disk.read(key)
+            if page is None:
+                break
+            pages.append(page)
+        if pages:
+            self._promote(keys[:len(pages)], torch.stack(pages), keep=keep)
+        return bool(pages)
 
     def _promote(self, keys: list[bytes], pages: torch.Tensor, keep: set[bytes]) -> None:
         """Put pages read from disk back into DRAM (they are hot)."""

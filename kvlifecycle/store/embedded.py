@@ -37,9 +37,10 @@ import numpy as np
 
 from kvlifecycle.hashing import TokenIds, tokens_as_int64
 from kvlifecycle.rpc import TIMEOUTS, RpcClient, RpcStatus
-from kvlifecycle.store.api import DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, PageSelection, Status, select_pages
+from kvlifecycle.store.api import (DEFAULT_WAIT_TIMEOUT_S, HostStoreClient, Located, PageSelection, Status,
+                                  select_pages)
 from kvlifecycle.store.key_filter import KeyFilterReader, key_filter_path
-from kvlifecycle.store.protocol import Op, pool_id
+from kvlifecycle.store.protocol import Op, keys_to_words, pool_id
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,24 @@ class StoreProcessClient(HostStoreClient):
         reply = self._rpc({"op": Op.REGISTER_POOL.value, "handle": handle}, timeout_s=self.register_timeout_s)
         if reply is not None and reply["rpc"] is not RpcStatus.OK:
             self._count_refusal("register_pool", reply)
+        if reply is not None and reply["rpc"] is RpcStatus.OK:
+            self.slab = reply.get("slab")
         return reply is not None and reply["rpc"] is RpcStatus.OK
+
+    def locate(self, key_lists: Sequence[Sequence[bytes]], pin_s: float) -> Located | None:
+        offsets = np.zeros(len(key_lists) + 1, dtype=np.int64)
+        np.cumsum([len(keys) for keys in key_lists], out=offsets[1:])
+        keys = keys_to_words([key for keys in key_lists for key in keys])
+        reply = self._rpc({"op": Op.LOCATE.value, "page_size": self.page_size, "pin_s": pin_s},
+                          {"keys": keys, "offsets": offsets})
+        if reply is None:
+            return None
+        if reply["rpc"] is not RpcStatus.OK:
+            self._count_refusal("locate", reply)
+            return None
+        self.slab = reply["slab"]
+        return Located(slab=reply["slab"], rows=[np.asarray(r, dtype=np.int64) for r in reply["rows"]],
+                       versions=[np.asarray(v, dtype=np.int64) for v in reply["versions"]])
 
     def put_async(self, token_ids: TokenIds, slot_mapping: TokenIds, namespace: str,
                   token_mask: TokenIds | None = None) -> int:

@@ -3,7 +3,16 @@
 Requests (``op``; fields besides ``v``, ``seq``, ``client``):
 - ``ping``                                       -> {}
 - ``stats``                                      -> {"stats": {...}}
-- ``register_pool`` handle                       -> {"pool": pool id} (attached, or already was)
+- ``register_pool`` handle                       -> {"pool": pool id, "slab": handle or null}
+                                                    (attached, or already was; "slab": the shared
+                                                    DRAM slab readers map, ``slab.SharedSlab``)
+- ``locate`` pin_s, page_size; arrays keys
+  (int64 [n, 2]: 16-byte page keys), offsets
+  (int64 [r + 1]: request i's keys are
+  keys[offsets[i]:offsets[i + 1]])               -> {"slab": handle, "rows": [[row, ...], ...],
+                                                    "versions": [[v, ...], ...]}: per request, the
+                                                    slab rows of its held prefix, pinned for pin_s,
+                                                    and their versions (UNSUPPORTED: no shared slab)
 - ``put``/``get`` task, ns, page_size, pool,
   accept_by, start_by; arrays tokens,
   seq_pages, pool_pages                          -> {} (accepted; poll for the outcome)
@@ -32,7 +41,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Op", "check_task_pages", "pool_id"]
+__all__ = ["Op", "MAX_PIN_S", "check_task_pages", "keys_from_words", "keys_to_words", "pool_id"]
+
+MAX_PIN_S = 60.0  # the longest a locate may pin its rows
+
+
+def keys_to_words(keys: list[bytes]) -> np.ndarray:
+    """16-byte page keys as int64 [n, 2] (RPC arrays and compute plans carry int64 words)."""
+    if not keys:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.frombuffer(b"".join(keys), dtype="<i8").reshape(-1, 2).copy()  # writable: torch.from_numpy takes it
+
+
+def keys_from_words(words: np.ndarray) -> list[bytes]:
+    data = np.ascontiguousarray(words, dtype="<i8").tobytes()
+    return [data[i:i + 16] for i in range(0, len(data), 16)]
 
 
 class Op(str, enum.Enum):
@@ -44,6 +67,7 @@ class Op(str, enum.Enum):
     GET_PREFIX = "get_prefix"  # match + get in one round trip (HostStoreClient.get_prefix_async)
     POLL = "poll"
     CANCEL = "cancel"
+    LOCATE = "locate"  # where held pages sit in the shared slab, for a reader that copies them itself
 
 
 # Fields of a CUDA IPC handle that change on every ``PagePool.handle()`` export of one pool.

@@ -12,6 +12,8 @@ module is the socket thread: it answers every RPC at once and never copies a pag
   with sleeps cost milliseconds per onboard);
 - ``get_prefix`` asks the pools' backing which prefix of pages it holds (``backing.Backing``)
   and queues a get of the candidates inside it;
+- ``locate`` answers where a batch of requests' held pages sit in the backing's shared slab,
+  pinned, for a reader that copies them itself (``slab.py``);
 - once a second it detaches closed pools and forgets stale tasks.
 
 Every put/get names the pool it copies to/from (``pool`` in the request, sent by a client built
@@ -41,7 +43,7 @@ from kvlifecycle.hashing import page_keys
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, decode, prepare_ipc_dir
 from kvlifecycle.store.copy_worker import CopyTask, CopyWorker
 from kvlifecycle.store.pools import AttachedPool, PoolRegistry
-from kvlifecycle.store.protocol import Op, check_task_pages
+from kvlifecycle.store.protocol import MAX_PIN_S, Op, check_task_pages, keys_from_words
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +155,10 @@ class StoreServer:
             handle = header["handle"]
             if not isinstance(handle, dict):
                 raise ValueError("register_pool 'handle': expected a PagePool.handle() dict")
-            return {"pool": self.pools.attach(handle)}
+            attached = self.pools.attach(handle)
+            return {"pool": attached, "slab": self.pools.backing.slab_handle()}
+        if op is Op.LOCATE:
+            return self._locate(header, arrays)
         if op is Op.POLL:
             statuses = self.worker.poll(client, [int(t) for t in header["tasks"]])
             return {"tasks": {str(t): s.value for t, s in statuses.items()}}
@@ -183,6 +188,27 @@ class StoreServer:
             return {"pages": held, "copying": True}
         self.worker.submit(task)
         return {}
+
+    def _locate(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        backing = self.pools.backing
+        if backing is None:
+            raise RpcError(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
+        slab = backing.slab_handle()
+        if slab is None:
+            raise RpcError(RpcStatus.UNSUPPORTED, "this store's DRAM tier is not shared (Mooncake backing, or "
+                           "/dev/shm too small: see the store's log); onboard through get_prefix")
+        if int(header["page_size"]) != self.pools.page_size:
+            raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {header['page_size']}")
+        pin_s = float(header["pin_s"])
+        if not 0 < pin_s <= MAX_PIN_S:
+            raise ValueError(f"pin_s: expected (0, {MAX_PIN_S}] seconds, got {pin_s}")
+        keys, offsets = arrays["keys"].reshape(-1, 2), arrays["offsets"]
+        if offsets.size < 1 or offsets[0] != 0 or offsets[-1] != len(keys) or (np.diff(offsets) < 0).any():
+            raise ValueError(f"offsets: expected non-decreasing offsets from 0 to {len(keys)} keys")
+        all_keys = keys_from_words(keys)
+        located = backing.locate([all_keys[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())], pin_s)
+        return {"slab": slab, "rows": [rows.tolist() for rows, _ in located],
+                "versions": [versions.tolist() for _, versions in located]}
 
     def _page_keys(self, page_size: int, tokens: np.ndarray, namespace: str) -> list[bytes]:
         if self.pools.backing is None:

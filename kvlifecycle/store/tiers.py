@@ -1,9 +1,10 @@
 """Storage tiers of the embedded store: DRAM (byte capacity, LRU) and disk (write-behind).
 
 DramTier: one preallocated slab of page rows ``[capacity_pages, L, 2, S, H, D]`` (pinned on a
-GPU host) and an LRU index key -> row. ``reserve`` hands out rows, evicting least recently
-used pages; ``insert`` publishes them. Only the store's copy thread mutates it; ``holds`` may
-be called from any thread (the caller holds the store's index lock).
+GPU host; in shared memory when asked, ``slab.SharedSlab``, so readers copy rows themselves) and
+an LRU index key -> row. ``reserve`` hands out rows, evicting least recently used pages that are
+not pinned (``pin``: rows a reader was told to copy); ``insert`` publishes them. The caller holds
+the store's index lock around every call.
 
 DiskTier: one file per page under ``<dir>/<geometry>/<key[:1]>/<key>.kvp``. ``write_behind``
 queues pages for a background thread that writes each to a temporary file and renames it into
@@ -27,11 +28,14 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvlifecycle.store.slab import SharedSlab, SlabUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class DramTier:
     """Page rows in host memory with LRU eviction at a fixed page capacity."""
 
     def __init__(self, capacity_bytes: int, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 pin_memory: bool) -> None:
+                 pin_memory: bool, shared: bool = False) -> None:
         page_bytes = int(np.prod(page_shape)) * torch.empty((), dtype=dtype).element_size()
         self.capacity_pages = capacity_bytes // page_bytes
         if self.capacity_pages < 1:
@@ -61,10 +65,21 @@ class DramTier:
                 f"--dram-bytes {capacity_bytes} holds no page of {page_bytes} bytes; "
                 f"give at least {page_bytes}")
         self.page_bytes = page_bytes
-        self.slab = torch.empty((self.capacity_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
-        self.slab.zero_()  # commit the memory now: the capacity is real, and copies never page-fault
+        self.shared: SharedSlab | None = None
+        if shared:
+            try:
+                self.shared = SharedSlab.create(self.capacity_pages, page_shape, dtype, pin=pin_memory)
+            except SlabUnavailable as e:
+                logger.warning("DRAM tier kept private (%s): host hits are copied by the store, not by "
+                               "their readers; give /dev/shm more room or lower --dram-bytes", e)
+        if self.shared is not None:
+            self.slab = self.shared.rows
+        else:
+            self.slab = torch.empty((self.capacity_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
+            self.slab.zero_()  # commit the memory now: the capacity is real, and copies never page-fault
         self._rows: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self._free: list[int] = list(range(self.capacity_pages - 1, -1, -1))  # pop() -> row 0 first
+        self._pinned: dict[int, float] = {}  # row -> CLOCK_MONOTONIC until which it is not evicted
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -84,14 +99,25 @@ class DramTier:
         return row
 
     def reserve(self, count: int, keep: set[bytes]) -> list[int]:
-        """Up to ``count`` free rows, evicting least recently used pages not in ``keep``.
-        Rows come back ascending when possible, so copies run in few contiguous runs."""
-        while len(self._free) < count and self._evict_one(keep):
-            pass
+        """Up to ``count`` free rows, evicting least recently used pages not in ``keep`` and not
+        pinned. Rows come back ascending when possible, so copies run in few contiguous runs. A
+        shared slab's rows get a new version here, before the caller writes into them."""
+        if len(self._free) < count:
+            now = time.monotonic()
+            self._pinned = {row: until for row, until in self._pinned.items() if until > now}
+            while len(self._free) < count and self._evict_one(keep):
+                pass
         take = min(count, len(self._free))
         rows = sorted(self._free[len(self._free) - take:])
         del self._free[len(self._free) - take:]
+        if self.shared is not None:
+            self.shared.bump(rows)
         return rows
+
+    def pin(self, rows: list[int], until: float) -> None:
+        """Keep ``rows`` from eviction until ``until`` (CLOCK_MONOTONIC): a reader copies them."""
+        for row in rows:
+            self._pinned[row] = max(until, self._pinned.get(row, 0.0))
 
     def insert(self, keys: list[bytes], rows: list[int]) -> None:
         """Publish reserved ``rows`` as holding ``keys`` (most recently used)."""
@@ -104,9 +130,13 @@ class DramTier:
         """Return reserved rows that were not inserted."""
         self._free.extend(rows)
 
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+
     def _evict_one(self, keep: set[bytes]) -> bool:
-        for key in self._rows:
-            if key not in keep:
+        for key, row in self._rows.items():
+            if key not in keep and row not in self._pinned:
                 self._free.append(self._rows.pop(key))
                 self.evictions += 1
                 return True

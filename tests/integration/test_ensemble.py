@@ -198,10 +198,11 @@ def test_bad_request_names_the_field(server: Server, reference, model: str) -> N
                             reference.score(1, [1, 2, 3], [0, 1, 2], [5]), TOLERANCE, "after the bad request")
 
 
-@pytest.fixture(scope="module")
-def small_pool_server(tmp_path_factory):
-    """A server whose pool holds only a few users' histories: eviction and onboarding happen."""
-    srv = start_server(tmp_path_factory.mktemp("small"), pool_pages=96)
+@pytest.fixture(scope="module", params=["store", "reader"])
+def small_pool_server(request, tmp_path_factory):
+    """A server whose pool holds only a few users' histories: eviction and onboarding happen; the
+    ensemble's host hits copied by the store, or by hstu_compute from the store's shared slab."""
+    srv = start_server(tmp_path_factory.mktemp("small"), pool_pages=96, host_hit_copy=request.param)
     try:
         yield srv
     finally:
@@ -212,15 +213,20 @@ def small_pool_server(tmp_path_factory):
 def test_small_pool_serves_many_users_correctly_with_host_hits(small_pool_server: Server, reference,
                                                                 model: str) -> None:
     """Each model has a pool of its own of 96 pages, far fewer than the trace's users need: pages
-    are evicted, and users come back as host hits (onboarded from the host store)."""
+    are evicted, and users come back as host hits (onboarded from the host store). With
+    host_hit_copy=reader the ensemble's pages are copied by hstu_compute, which counts them."""
     owner = KV_OWNER[model]
+    copier = COMPUTE if model == ENSEMBLE and small_pool_server.settings.host_hit_copy == "reader" else owner
     trace = generate(TraceConfig(num_users=30, num_requests=150, seed=5 + SEED_OFFSET[model], zipf_a=0.3,
                                  initial_events_median=150, initial_events_sigma=0.3))
     result = replay(trace, small_pool_server.grpc_url, model=model, concurrency=2)
     assert_matches_reference(trace, result, reference, what=model)
     shown = lambda: (lookups(small_pool_server, "host_hit", owner),  # noqa: E731
-                     metric(small_pool_server, "hstu_kv_onboarded_pages_total", model=owner))
-    wait_for(lambda: min(shown()) > 0, 30, lambda: f"{owner}'s host hits and onboarded pages (so far {shown()})")
+                     metric(small_pool_server, "hstu_kv_onboarded_pages_total", model=copier))
+    wait_for(lambda: min(shown()) > 0, 30, lambda: f"{owner}'s host hits and {copier}'s onboarded pages "
+                                                   f"(so far {shown()})")
+    if copier == COMPUTE:  # none went through the store's copy path
+        assert metric(small_pool_server, "hstu_kv_onboarded_pages_total", model=LOOKUP) == 0
 
 
 def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -> None:

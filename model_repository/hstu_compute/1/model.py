@@ -7,7 +7,14 @@ tokens' KV into it. If the batch fails, each request is retried alone so one bad
 alone; a failed request's lease is aborted so its pages return at once. It answers with the
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
-Onboarding: kv_lookup_alloc answers a request with pages beyond its device prefix before the
+Onboarding from the store's shared DRAM tier (the default with the embedded store): the plan
+names the onboard pages' keys (`onboard_keys`). `execute` asks the store where the batch's pages
+sit in its shared slab (`locate`: one round trip for the batch, rows pinned), copies them into the
+pool itself (`OnboardReader`), and computes those requests with the rest of the batch; a page the
+store no longer holds, or whose slab row was reused meanwhile, is computed instead.
+
+Onboarding by the store (a store whose DRAM tier is not shared, or HSTU_HOST_HIT_COPY=store):
+kv_lookup_alloc answers a request with pages beyond its device prefix before the
 host store is even asked about them (`onboard_len` > 0). `execute` hands those to the settler
 thread, which asks the owner's control plane how the onboards ended (`onboard_wait`, one round
 trip for all of them), and meanwhile computes the batch's other requests; then each onboarded
@@ -51,7 +58,9 @@ from compute.config import CONFIG_FILENAME
 from compute.graphs import GRAPH_STATS_KEYS
 from deploy.runtime import published
 from deploy.runtime import sealed_scores
+from deploy.runtime.cache_owner import open_store_client
 from deploy.runtime.compute_plan import ComputePlan
+from deploy.runtime.onboard_reader import OnboardReader
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import Reply, error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
@@ -79,6 +88,7 @@ class TritonPythonModel:
         # weights' fingerprint, so it is read back rather than hashed again (seconds on large weights).
         self.namespace = read_build_key(self.model_dir, self.device.type)["fingerprint"]
         self.namespace_tag = namespace_tag(self.namespace)
+        self.page_size = HSTUConfig.load(self.model_dir).page_size
         self.control = ControlClient(self.settings.control_endpoint)
         self.pool = None  # attached at the first request: the owner may not have published it yet
         self.published_pool = published.pool_handle_file(self.settings)
@@ -86,9 +96,13 @@ class TritonPythonModel:
         self.onboard_wait_timeout_s = self.settings.timeouts.onboard_wait_s + self.settings.timeouts.control_s
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 [*stage_keys("onboard", "compute", "compute_call"), *GRAPH_STATS_KEYS],
-                                 source=lambda: {**self.stages.stats(), **self.run.stats})
+                                 [*stage_keys("onboard", "compute", "compute_call"), *GRAPH_STATS_KEYS,
+                                  *OnboardReader.STATS_KEYS],
+                                 source=self._stats)
         self._settler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-compute-settler")
+        self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
+                                     pin_s=self.settings.timeouts.onboard_wait_s)
+                       if self.settings.store == "embedded" else None)
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
             "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file
@@ -99,7 +113,7 @@ class TritonPythonModel:
     def execute(self, requests):
         pending = [ComputeRequest() for _ in requests]
         try:
-            ready, onboarding = [], []
+            ready, onboarding, reading = [], [], []
             for p, request in zip(pending, requests):
                 plan = self._parse(request)
                 if isinstance(plan, str):  # the owner wrote it: a transport fault, not the client's
@@ -111,9 +125,11 @@ class TritonPythonModel:
                         f"version {self.version}; a rollout happened while the request was in flight)", retryable=True))
                 else:
                     p.plan = plan
-                    (onboarding if plan.onboard_len else ready).append(p)
+                    (reading if plan.onboard_keys.shape[0] else onboarding if plan.onboard_len else ready).append(p)
             settled = self._settler.submit(self._settle_onboards, onboarding) if onboarding else None
-            self._compute(ready)  # while the onboards are settled
+            if reading:  # copied from the store's slab now, computed with the batch
+                self._read_onboards(reading)
+            self._compute(ready + reading)  # while the store's onboards are settled
             if settled is not None:
                 self._compute(settled.result())
         except Exception as e:  # a bug: whatever is unanswered fails, not the instance
@@ -124,6 +140,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self._settler.shutdown()
+        if self.reader is not None:
+            self.reader.close()
         self.metrics.close()
         self.control.close()
         if self.pool is not None:
@@ -155,6 +173,22 @@ class TritonPythonModel:
             self.stages.add("compute_call", seconds)
             for p, s in zip(members, scores):
                 p.answer(self._response(s))
+
+    def _stats(self) -> dict[str, float]:
+        reader = self.reader.stats() if self.reader is not None else dict.fromkeys(OnboardReader.STATS_KEYS, 0)
+        return {**self.stages.stats(), **self.run.stats, **reader}
+
+    def _read_onboards(self, items: list["ComputeRequest"]) -> None:
+        """Copy `items`' onboard pages from the store's slab; each plan then computes what was not copied."""
+        started = time.perf_counter()
+        plans = [p.plan for p in items]
+        if self.reader is None:  # a plan with keys from an owner whose store this model does not reach
+            copied = [0] * len(plans)
+        else:
+            copied = self.reader.copy(self._attach_pool(), plans)
+        for p, pages in zip(items, copied):
+            p.plan = p.plan.after_onboard(pages * self.page_size)
+        self.stages.add("onboard", time.perf_counter() - started, len(items))
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
@@ -215,9 +249,8 @@ class TritonPythonModel:
         assert device_len <= outcome.cached_len <= request.cached_len, (
             f"lease {outcome.lease_id}: the owner settled cached_len {outcome.cached_len}, expected "
             f"{device_len}..{request.cached_len}")
-        return request._replace(new_tokens=request.new_tokens[outcome.cached_len - device_len:],
-                                cached_len=outcome.cached_len, onboard_len=0,
-                                page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
+        return request.after_onboard(outcome.cached_len - device_len,
+                                     page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
 
     def _score(self, pool: PagePool, items: list[ComputePlan]) -> list[torch.Tensor]:
         """Each request's scores, sealed (`sealed_scores`): [c + 1, num_tasks]."""

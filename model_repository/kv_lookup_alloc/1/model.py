@@ -14,7 +14,9 @@ history added (`PrefixKeys`). A request with pages beyond its device prefix
 without asking the host store here: the control plane's thread asks it (one round trip: copy the
 ones you hold) and settles each copy when the store reports it done, or as a timeout; pages not
 copied are recomputed. hstu_compute asks this process's control plane how that request's onboard
-ended before it reads them.
+ended before it reads them. With HSTU_HOST_HIT_COPY=reader and a store whose DRAM tier is shared,
+the onboard is settled here at once and the plan carries the onboard pages' keys: hstu_compute
+copies them from the store's slab itself (docs/ARCHITECTURE.md, "Host hits copied by their reader").
 
 Every request is answered in the list `execute` returns, never through a response sender, and
 ids that look corrupted in transit are answered retryable (docs/ARCHITECTURE.md, "Batching on
@@ -43,6 +45,7 @@ from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.stats_keys import OWNER_PUBLISHED
 from kvlifecycle.control import ControlServer
 from kvlifecycle.hashing import namespace_tag
+from kvlifecycle.store.protocol import keys_to_words
 from kvlifecycle import ops
 
 logger = logging.getLogger("kv_lookup_alloc")
@@ -56,7 +59,8 @@ class TritonPythonModel:
         self.settings = ServingSettings.from_env()
         self.settings.prepare_run_dir()
         self.config = HSTUConfig.load(self.settings.model_dir)
-        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir))
+        self.cache = open_kv_cache(self.config, self.settings, namespace=fingerprint(self.settings.model_dir),
+                                   onboard_by_reader=self.settings.host_hit_copy == "reader")
         if self.cache.store is None:  # once per server: this is the ensemble's one cache owner
             logger.warning("kv_lookup_alloc: no host store (HSTU_STORE=%s): serving from the device cache alone, "
                            "so a history evicted from the page pool is recomputed. For the host tier, run "
@@ -154,12 +158,15 @@ class TritonPythonModel:
         allocated = time.perf_counter()
         try:
             launched_leases = leases  # a batch with no onboard page reserved has none to launch
+            reader_keys = [()] * len(batch)
             if bool((leases[:, 2] > 0).any()):
                 launched_leases = self.ops.onboard_launch(self.ops_handle, leases)  # settled within the onboard wait
+                if manager.onboard_by_reader:  # hstu_compute copies them from the store's slab: their keys
+                    reader_keys = manager.reader_onboard_keys(launched_leases[:, 0].tolist())
                 self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
-            responses = [self._response(item, lease, allocated_lease, row) for item, lease, allocated_lease, row
-                         in zip(batch, launched_leases.tolist(), leases[:, 0].tolist(), page_rows)]
+            responses = [self._response(item, lease, allocated_lease, row, keys) for item, lease, allocated_lease, row, keys
+                         in zip(batch, launched_leases.tolist(), leases[:, 0].tolist(), page_rows, reader_keys)]
         except Exception:
             for lease_id in leases[:, 0].tolist():  # the caller serves them again: their pages return now
                 if lease_id >= 0:
@@ -173,8 +180,10 @@ class TritonPythonModel:
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard_launch", launched - allocated, n)
 
-    def _response(self, item: "OwnerRequest", lease: list[int], allocated_lease_id: int, page_row: torch.Tensor):
-        """The request's plan; `lease` is its (lease_id, cached_len, onboard pages being copied) row."""
+    def _response(self, item: "OwnerRequest", lease: list[int], allocated_lease_id: int, page_row: torch.Tensor,
+                  onboard_keys: tuple[bytes, ...]):
+        """The request's plan; `lease` is its (lease_id, cached_len, onboard pages being copied) row;
+        `onboard_keys` the keys of the onboard pages hstu_compute copies itself (none: the owner's copy)."""
         lease_id, cached_len, copying = lease
         if allocated_lease_id < 0:
             stats = self.cache.manager.stats()
@@ -190,7 +199,8 @@ class TritonPythonModel:
         num_pages = -(-item.tokens.numel() // page_size)  # the lease's row; -1 pads it in page_row
         plan = ComputePlan(new_tokens=item.tokens[cached_len - onboard_len:], cached_len=cached_len,
                            onboard_len=onboard_len, page_row=page_row[:num_pages], candidates=item.inputs.candidate_ids,
-                           namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id)
+                           namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id,
+                           onboard_keys=torch.from_numpy(keys_to_words(list(onboard_keys))))
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
 
 

@@ -1,0 +1,114 @@
+"""hstu_compute's onboarding of host hits straight from the store's shared DRAM tier.
+
+kv_lookup_alloc hands a host hit's onboard pages to the process that reads them: the plan names
+their keys (`ComputePlan.onboard_keys`). `OnboardReader.copy` then, for a whole batch:
+
+1. asks the store where those pages sit in its shared slab (`HostStoreClient.locate`: one round
+   trip; the store pins the rows and answers their versions);
+2. copies the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU one
+   host-to-device copy per run of slab rows on the copier's stream, waited on its event);
+3. keeps, per request, the leading pages whose slab row still has the version the store
+   answered (`SharedSlab.unchanged`): a row the store reused meanwhile is never read as the page.
+
+A request's pages that were not copied (the store no longer held them, it did not answer, or the
+copy failed) are computed with its new tokens, so a failed onboard costs that request a
+recompute and nothing else. No control-plane round trip and no poll: the copy ends before the
+forward that reads the pages is launched.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from deploy.runtime.compute_plan import ComputePlan
+from kvlifecycle.pool import PagePool
+from kvlifecycle.store import HostStoreClient
+from kvlifecycle.store.protocol import keys_from_words
+from kvlifecycle.store.slab import SharedSlab
+from kvlifecycle.store.transfer import PageCopier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OnboardReader"]
+
+
+class OnboardReader:
+    """See the module docstring. One per hstu_compute instance, used by its `execute` thread."""
+
+    STATS_KEYS = ("onboarded_pages", "onboard_failed_pages")
+
+    def __init__(self, store: HostStoreClient, pin_s: float) -> None:
+        self.store = store
+        self.pin_s = pin_s  # how long the store keeps the located rows from eviction
+        self._slab: SharedSlab | None = None
+        self._copier: PageCopier | None = None
+        self._copier_pool: PagePool | None = None
+        self._counters = collections.Counter[str]()
+
+    def copy(self, pool: PagePool, plans: Sequence[ComputePlan]) -> list[int]:
+        """Copy each plan's onboard pages that the store holds into its lease's pages; how many
+        leading onboard pages of each plan now hold their KV (the rest are to be computed)."""
+        page_size = pool.spec.page_size
+        wanted = [keys_from_words(plan.onboard_keys.numpy()) for plan in plans]
+        copied = [0] * len(plans)
+        try:
+            located = self.store.locate(wanted, self.pin_s)
+            slab = self._map(located.slab, pool) if located is not None else None
+            if slab is not None:
+                rows, pages, versions = [], [], []
+                for plan, keys, found, found_versions in zip(plans, wanted, located.rows, located.versions):
+                    n = min(len(found), len(keys))
+                    first = (plan.cached_len - plan.onboard_len) // page_size  # the first onboard page
+                    rows.append(found[:n])
+                    versions.append(found_versions[:n])
+                    pages.append(plan.page_row[first:first + n].numpy())
+                all_rows = np.concatenate(rows)
+                self._copier_for(pool).scatter(slab.rows, all_rows, np.concatenate(pages))
+                unchanged = slab.unchanged(all_rows, np.concatenate(versions))
+                start = 0
+                for i, segment in enumerate(rows):
+                    ok = unchanged[start:start + len(segment)]
+                    copied[i] = len(ok) if ok.all() else int(np.argmin(ok))  # the leading unchanged rows
+                    start += len(segment)
+        except Exception:
+            logger.warning("onboard from the store's slab failed for %d requests; computing their pages",
+                           len(plans), exc_info=True)
+            copied = [0] * len(plans)
+        total = sum(len(keys) for keys in wanted)
+        self._counters["onboarded_pages"] += sum(copied)
+        self._counters["onboard_failed_pages"] += total - sum(copied)
+        return copied
+
+    def stats(self) -> dict[str, Any]:
+        return {key: self._counters[key] for key in self.STATS_KEYS}
+
+    def close(self) -> None:
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        self.store.close()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _map(self, handle: dict[str, Any], pool: PagePool) -> SharedSlab | None:
+        """The slab ``handle`` names, mapped once (a restarted store names a new one)."""
+        if self._slab is not None and self._slab.path == handle["path"]:
+            return self._slab
+        if self._slab is not None:
+            self._slab.close()
+            self._slab = None
+        try:
+            self._slab = SharedSlab.attach(handle, pin=pool.tensor.is_cuda)
+        except (OSError, RuntimeError, ValueError, KeyError):
+            logger.warning("cannot map the store's shared slab %s; host hits are computed", handle, exc_info=True)
+            return None
+        logger.info("mapped the store's shared DRAM slab %s (%d pages)", self._slab.path, self._slab.capacity_pages)
+        return self._slab
+
+    def _copier_for(self, pool: PagePool) -> PageCopier:
+        if self._copier_pool is not pool:  # the owner republished its pool
+            self._copier, self._copier_pool = PageCopier(pool.tensor), pool
+        return self._copier

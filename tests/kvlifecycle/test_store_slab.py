@@ -1,0 +1,99 @@
+"""The local store's DRAM tier in shared memory, read by the process that onboards (``locate``):
+a real store process, a real CPU pool, the reader's own copy.
+
+- ``locate`` answers the rows of each request's held prefix; copying them gives the bytes that
+  were put, and every row still has the version the store answered;
+- located rows are pinned: a put that needs room cannot evict them while the pin lasts;
+- once the pin expired and the rows were reused, the versions tell the reader so;
+- where /dev/shm cannot hold the slab, the tier stays private and ``locate`` is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvlifecycle.hashing import page_keys
+from kvlifecycle.pool import PagePool
+from kvlifecycle.store import Status
+from kvlifecycle.store import slab as slab_module
+from kvlifecycle.store.slab import SharedSlab
+from kvlifecycle.store.tiers import DramTier
+from kvlifecycle.store.transfer import PageCopier, host_page_shape
+from tests.kvlifecycle.store_harness import SPEC, EmbeddedHarness, fill_random, held_pages, slots, tokens
+
+
+@pytest.fixture
+def pool():
+    with PagePool.create(SPEC) as p:
+        yield p
+
+
+def _put(store, seq: np.ndarray, pages: list[int], ns: str) -> None:
+    task = store.put_async(seq, slots(pages), ns)
+    assert store.wait([task], timeout_s=10)[task] is Status.SUCCESS
+
+
+def test_located_rows_copy_what_was_put_pin_against_eviction_and_show_reuse(pool: PagePool) -> None:
+    harness = EmbeddedHarness(pool, capacity_pages=8)
+    try:
+        store = harness.client()
+        assert store.register_pool(pool.handle()) and store.slab is not None, "the store's DRAM tier is not shared"
+        a, b, c = tokens(4, start=1), tokens(8, start=1000), tokens(8, start=5000)
+        put_a = fill_random(pool, [0, 1, 2, 3], seed=1)
+        _put(store, a, [0, 1, 2, 3], harness.ns)
+        keys_a = page_keys(a, harness.ns, SPEC.page_size)
+
+        unknown = [b"\x01" * 16]
+        located = store.locate([keys_a, keys_a[:2] + unknown + keys_a[3:], unknown], pin_s=1.0)
+        assert [len(r) for r in located.rows] == [4, 2, 0], "each request's held prefix, and no further"
+        slab = SharedSlab.attach(located.slab, pin=False)
+        try:
+            PageCopier(pool.tensor).scatter(slab.rows, located.rows[0], np.array([10, 11, 12, 13]))
+            assert torch.equal(pool.tensor[:, 10:14], put_a), "the located rows hold the pages that were put"
+            assert slab.unchanged(located.rows[0], located.versions[0]).all()
+
+            # Pinned: a put of 8 pages into the 8-page tier finds only the 4 free rows.
+            fill_random(pool, list(range(4, 12)), seed=2)
+            _put(store, b, list(range(4, 12)), harness.ns)
+            assert held_pages(store, a, harness.ns) == 4, "a pinned page was evicted"
+            assert held_pages(store, b, harness.ns) == 4, "the put kept its first pages in the free rows"
+            assert slab.unchanged(located.rows[0], located.versions[0]).all()
+
+            # Once the pins expired, a put may take the rows: their versions move.
+            time.sleep(1.1)
+            fill_random(pool, list(range(12, 20)), seed=3)
+            _put(store, c, list(range(12, 20)), harness.ns)
+            assert held_pages(store, a, harness.ns) == 0
+            assert not slab.unchanged(located.rows[0], located.versions[0]).any(), (
+                "rows written again kept their versions: a reader could not tell")
+        finally:
+            slab.close()
+    finally:
+        harness.close()
+
+
+def test_where_dev_shm_lacks_room_the_tier_stays_private(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = os.statvfs_result((4096, 4096, 1, 0, 0, 1, 0, 0, 0, 255))  # no block free
+    monkeypatch.setattr(slab_module.os, "statvfs", lambda path: full)
+    tier = DramTier(64 * SPEC.page_bytes, host_page_shape(SPEC.shape), SPEC.torch_dtype, pin_memory=False,
+                    shared=True)
+    assert tier.shared is None and tier.slab.shape[0] == 64
+    tier.close()
+
+
+def test_a_closed_slab_leaves_no_file(tmp_path: Path) -> None:
+    slab = SharedSlab.create(4, host_page_shape(SPEC.shape), SPEC.torch_dtype, pin=False, shm_dir=str(tmp_path))
+    reader = SharedSlab.attach(slab.handle(), pin=False)
+    slab.rows[2].fill_(7.0)
+    assert torch.equal(reader.rows[2], slab.rows[2]), "the reader maps the store's memory"
+    slab.bump([2])
+    assert not reader.unchanged(np.array([2]), np.array([0]))[0]
+    reader.close()
+    slab.close()
+    assert list(tmp_path.iterdir()) == []
