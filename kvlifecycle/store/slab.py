@@ -1,10 +1,13 @@
 """The local store's DRAM tier in shared memory, mapped by the processes that read its pages.
 
-The store process creates it (``SharedSlab.create``): one file under /dev/shm holding the page
-rows ``[capacity_pages, L, 2, S, H, D]`` and, after them, one int64 version per row. A process
-that onboards host hits (hstu_compute) maps the same file (``SharedSlab.attach``), asks the store
-where a request's pages are (``locate``: one round trip for a batch) and copies those rows into
-its page pool itself: the store copies nothing and nobody polls.
+The store process creates it (``SharedSlab.create``): one anonymous memory file (``memfd``)
+holding the page rows ``[capacity_pages, L, 2, S, H, D]`` and, after them, one int64 version per
+row. A process that onboards host hits (hstu_compute) maps the same memory through
+``/proc/<store pid>/fd/<fd>`` (``SharedSlab.attach``), asks the store where a request's pages are
+(``locate``: one round trip for a batch) and copies those rows into its page pool itself: the
+store copies nothing and nobody polls. A memfd is bounded by the host's memory, not by the size of
+/dev/shm (64 MiB in a default container), and it is freed when the last process that maps it
+exits: a store killed with SIGKILL leaves nothing behind.
 
 Why a row the reader copies holds the page ``locate`` named:
 
@@ -15,24 +18,19 @@ Why a row the reader copies holds the page ``locate`` named:
   its pin expired never reads a page other than the one named.
 
 On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), so the
-store's offload copies and the reader's onboard copies run at pinned speed. /dev/shm is RAM:
-``create`` refuses (``SlabUnavailable``) when it lacks room, and the store then keeps its DRAM
-tier private (the reader's ``locate`` is refused and hosts hits take the store's copy path). A
-store killed with SIGKILL leaves its file behind; the next pool or slab made on the host removes
-it (``kvlifecycle.pool.sweep_orphaned_pools``: the name carries the creator's pid).
+store's offload copies and the reader's onboard copies run at pinned speed. Where no memfd can be
+made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private (the reader's
+``locate`` is then refused and host hits take the store's copy path).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import uuid
 from typing import Any
 
 import numpy as np
 import torch
-
-from kvlifecycle.pool import SHM_DIR, SHM_PREFIX, sweep_orphaned_pools
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +40,7 @@ _VERSIONS_ALIGN = 64  # bytes: the versions start on a cache line after the rows
 
 
 class SlabUnavailable(OSError):
-    """/dev/shm cannot hold the slab; the store keeps a private DRAM tier instead."""
+    """No shared memory file could be made; the store keeps a private DRAM tier instead."""
 
 
 class SharedSlab:
@@ -50,12 +48,12 @@ class SharedSlab:
     the mapping; ``handle()`` is what a reader needs to ``attach``."""
 
     def __init__(self, path: str, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype,
-                 owner: bool, pin: bool) -> None:
+                 pin: bool, fd: int | None = None) -> None:
         self.path = path
         self.capacity_pages = capacity_pages
         self.page_shape = tuple(page_shape)
         self.dtype = dtype
-        self.owner = owner
+        self._fd = fd  # the creator's memfd; readers map through the path
         rows_bytes, total = _layout(capacity_pages, page_shape, dtype)
         flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         self.rows = flat[:rows_bytes].view(dtype).view(capacity_pages, *page_shape)
@@ -67,35 +65,28 @@ class SharedSlab:
     # -- public API ---------------------------------------------------------------------
 
     @classmethod
-    def create(cls, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
-               shm_dir: str = SHM_DIR) -> "SharedSlab":
-        """A zeroed slab (its memory committed now); ``SlabUnavailable`` when ``shm_dir`` lacks room."""
+    def create(cls, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> "SharedSlab":
+        """A zeroed slab (its memory committed now); ``SlabUnavailable`` when no memfd can be made."""
         _rows_bytes, total = _layout(capacity_pages, page_shape, dtype)
-        sweep_orphaned_pools(shm_dir)
-        stat = os.statvfs(shm_dir)
-        free = stat.f_bavail * stat.f_frsize
-        if total > free:
-            raise SlabUnavailable(f"{shm_dir} has {free} bytes free; the DRAM tier's shared slab needs {total}")
-        path = os.path.join(shm_dir, f"{SHM_PREFIX}{os.getpid()}-slab-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fd = os.memfd_create("hstu-kv-dram-tier", 0)
+        except (AttributeError, OSError) as e:  # not Linux, or the kernel refuses
+            raise SlabUnavailable(f"no memfd for the DRAM tier: {e}") from e
         try:
             os.ftruncate(fd, total)
-        finally:
-            os.close(fd)
-        try:
-            slab = cls(path, capacity_pages, page_shape, dtype, owner=True, pin=pin)
+            slab = cls(f"/proc/{os.getpid()}/fd/{fd}", capacity_pages, page_shape, dtype, pin=pin, fd=fd)
             slab._flat.zero_()  # commit the memory now: the capacity is real, and copies never page-fault
         except BaseException:
-            os.unlink(path)
+            os.close(fd)
             raise
-        logger.info("DRAM tier in shared memory %s (%d pages, %d bytes)", path, capacity_pages, total)
+        logger.info("DRAM tier in shared memory %s (%d pages, %d bytes)", slab.path, capacity_pages, total)
         return slab
 
     @classmethod
     def attach(cls, handle: dict[str, Any], pin: bool) -> "SharedSlab":
         """Map the slab ``handle`` (a ``handle()``) describes; OSError when its file is gone."""
         return cls(str(handle["path"]), int(handle["capacity_pages"]), tuple(int(d) for d in handle["page_shape"]),
-                   getattr(torch, str(handle["dtype"])), owner=False, pin=pin)
+                   getattr(torch, str(handle["dtype"])), pin=pin)
 
     def handle(self) -> dict[str, Any]:
         return {"path": self.path, "capacity_pages": self.capacity_pages, "page_shape": list(self.page_shape),
@@ -117,11 +108,9 @@ class SharedSlab:
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        if self._fd is not None:  # the memory lives on while a reader maps it
+            os.close(self._fd)
+            self._fd = None
 
 
 def _align(n: int) -> int:

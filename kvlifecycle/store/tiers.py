@@ -71,7 +71,7 @@ class DramTier:
                 self.shared = SharedSlab.create(self.capacity_pages, page_shape, dtype, pin=pin_memory)
             except SlabUnavailable as e:
                 logger.warning("DRAM tier kept private (%s): host hits are copied by the store, not by "
-                               "their readers; give /dev/shm more room or lower --dram-bytes", e)
+                               "their readers", e)
         if self.shared is not None:
             self.slab = self.shared.rows
         else:

@@ -5,14 +5,14 @@ a real store process, a real CPU pool, the reader's own copy.
   were put, and every row still has the version the store answered;
 - located rows are pinned: a put that needs room cannot evict them while the pin lasts;
 - once the pin expired and the rows were reused, the versions tell the reader so;
-- where /dev/shm cannot hold the slab, the tier stays private and ``locate`` is refused.
+- a reader maps the store's memory, and keeps it after the store closed it;
+- where no shared memory file can be made, the tier stays private.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,22 +78,26 @@ def test_located_rows_copy_what_was_put_pin_against_eviction_and_show_reuse(pool
         harness.close()
 
 
-def test_where_dev_shm_lacks_room_the_tier_stays_private(monkeypatch: pytest.MonkeyPatch) -> None:
-    full = os.statvfs_result((4096, 4096, 1, 0, 0, 1, 0, 0, 0, 255))  # no block free
-    monkeypatch.setattr(slab_module.os, "statvfs", lambda path: full)
+def test_where_no_shared_memory_can_be_made_the_tier_stays_private(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(name: str, flags: int = 0) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(slab_module.os, "memfd_create", refuse)
     tier = DramTier(64 * SPEC.page_bytes, host_page_shape(SPEC.shape), SPEC.torch_dtype, pin_memory=False,
                     shared=True)
     assert tier.shared is None and tier.slab.shape[0] == 64
     tier.close()
 
 
-def test_a_closed_slab_leaves_no_file(tmp_path: Path) -> None:
-    slab = SharedSlab.create(4, host_page_shape(SPEC.shape), SPEC.torch_dtype, pin=False, shm_dir=str(tmp_path))
+def test_a_reader_maps_the_store_memory_and_keeps_it_after_the_store_closed_it() -> None:
+    slab = SharedSlab.create(4, host_page_shape(SPEC.shape), SPEC.torch_dtype, pin=False)
     reader = SharedSlab.attach(slab.handle(), pin=False)
     slab.rows[2].fill_(7.0)
     assert torch.equal(reader.rows[2], slab.rows[2]), "the reader maps the store's memory"
     slab.bump([2])
     assert not reader.unchanged(np.array([2]), np.array([0]))[0]
-    reader.close()
+    path = slab.path
     slab.close()
-    assert list(tmp_path.iterdir()) == []
+    assert not os.path.exists(path), "the store's fd is closed"
+    assert float(reader.rows[2].max()) == 7.0, "a reader's mapping outlives the store's fd"
+    reader.close()
