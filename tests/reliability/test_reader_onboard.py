@@ -1,0 +1,72 @@
+"""Host hits copied by hstu_compute from the store's shared DRAM tier (`--host-hit-copy reader`), on
+a real tritonserver and store process, through the store's failures:
+
+1. users pushed out of a small device pool come back as host hits that hstu_compute copied
+   (`hstu_kv_onboarded_pages_total{model="hstu_compute"}` moves, kv_lookup_alloc's does not);
+2. with the store killed, the same users are served by recompute, every score right;
+3. after a stop and start of the whole server with the disk tier, they are host hits again:
+   `locate` reads their pages from disk into the new shared slab, and hstu_compute copies them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from deploy.client import RankingClient
+from deploy.runtime.schema import COMPUTE, LOOKUP, RankingRequest
+from tests.conftest import start_server
+from tests.helpers import metric, wait_for
+from tests.reliability.conftest import check_scores, history, wait_drained
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+POOL_PAGES = 64  # the four users take 50; the fillers push them out
+
+
+def _grown(r: RankingRequest, step: int) -> RankingRequest:
+    """The user's next request: one more event."""
+    return RankingRequest(r.user_id, r.item_ids + [5 + step], r.action_ids + [3], r.candidate_ids)
+
+
+def _copied(server) -> tuple[float, float]:
+    return (metric(server, "hstu_kv_onboarded_pages_total", model=COMPUTE),
+            metric(server, "hstu_kv_onboarded_pages_total", model=LOOKUP))
+
+
+def test_reader_copies_through_a_store_kill_and_a_restart_from_the_disk_tier(tmp_path: Path, reference) -> None:
+    srv = start_server(tmp_path, pool_pages=POOL_PAGES, host_hit_copy="reader", store_disk_dir=tmp_path / "disk")
+    users = [history(9000 + i, 200 + 50 * i, seed=7) for i in range(4)]
+    fillers = [history(9100 + i, 400, seed=8) for i in range(6)]
+    try:
+        with RankingClient(srv.grpc_url) as client:
+            def serve(requests: list[RankingRequest], what: str) -> None:
+                for r in requests:
+                    check_scores(reference, r, client.score(r), what=what)
+                wait_drained(srv)  # every offload reaped before the next step
+
+            serve(users, "first visit,")
+            serve(fillers, "filler,")  # the users' pages leave the device pool
+            step1 = [_grown(r, 1) for r in users]
+            serve(step1, "host hit copied by hstu_compute,")
+            wait_for(lambda: _copied(srv)[0] > 0, 30, lambda: f"hstu_compute's onboarded pages: {_copied(srv)}")
+            assert _copied(srv)[1] == 0, "kv_lookup_alloc's store copy path ran"
+
+            serve(fillers[:3] + [_grown(r, 1) for r in fillers[3:]], "filler again,")
+            os.kill(srv.store.pid, signal.SIGKILL)
+            srv.store.wait()
+            step2 = [_grown(r, 2) for r in step1]
+            serve(step2, "with the store killed,")  # recomputed: the store cannot answer locate
+
+        srv.stop()
+        srv.start()  # a new store process: it finds the users' pages in its disk tier
+        copied_before = _copied(srv)[0]
+        with RankingClient(srv.grpc_url) as client:
+            for r in [_grown(r, 3) for r in step2]:
+                check_scores(reference, r, client.score(r), what="after the restart, from the disk tier,")
+        wait_for(lambda: _copied(srv)[0] > copied_before, 30,
+                 lambda: f"hstu_compute to copy pages read from the disk tier: {_copied(srv)} (was {copied_before})")
+    finally:
+        srv.stop()
