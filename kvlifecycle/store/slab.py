@@ -129,8 +129,11 @@ def _cuda_register(flat: torch.Tensor) -> int | None:
     if not torch.cuda.is_available():
         return None
     ptr = flat.data_ptr()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, flat.numel(), 0)
-    if int(err) != 0:
-        logger.warning("cudaHostRegister of the shared DRAM slab failed (error %d); its copies run unpinned", int(err))
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, flat.numel(), 0))
+    except Exception as e:  # a torch build without the binding
+        err = repr(e)
+    if err != 0:
+        logger.warning("cudaHostRegister of the shared DRAM slab failed (%s); its copies run unpinned", err)
         return None
     return ptr
