@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from deploy.metrics import Metrics
 from kvlifecycle.stats_keys import LOOKUP_OUTCOMES
-from deploy.runtime.schema import LOOKUP, MONOLITHIC, OFFLOAD
+from deploy.runtime.schema import COMPUTE, LOOKUP, MONOLITHIC, OFFLOAD
 
 TRITON_STAGES = ("queue", "compute_input", "compute_infer", "compute_output")  # per request, as Triton counts them
 CACHE_OWNERS = (LOOKUP, MONOLITHIC)  # the models that look pages up (and publish hstu_kv_lookups_total)
@@ -185,6 +185,9 @@ def _model_cache_stats(before: Metrics, after: Metrics, model: str, page_bytes: 
     lookups = offloads = None
     if model in CACHE_OWNERS:
         onboarded = delta("hstu_kv_onboarded_pages_total")
+        if model == LOOKUP:  # host hits hstu_compute copied from the store's slab (host_hit_copy=reader)
+            copied = lambda m: sum(s.value for s in m.samples("hstu_kv_onboarded_pages_total", model=COMPUTE))  # noqa: E731
+            onboarded += copied(after) - copied(before)
         lookups = LookupStats(
             by_outcome={o: delta("hstu_kv_lookups_total", outcome=o) for o in LOOKUP_OUTCOMES},
             cached_tokens_served=delta("hstu_kv_cached_tokens_total"),

@@ -255,6 +255,9 @@ class LeaseTable:
             lease = replace(lease, onboarded=True, onboard_by_reader=True)
             self._leases[lease_id] = lease
             self.counters["onboard_reader_pages"] += lease.num_onboard_pages
+            # Counted as served from the cache now; a page the reader computes instead is counted
+            # by it (hstu_kv_onboard_failed_pages_total).
+            self.counters["cached_tokens_served"] += lease.num_onboard_pages * self.page_size
             return lease
 
     def finish_onboard(self, lease_id: int, ok_pages: int,

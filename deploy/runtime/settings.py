@@ -67,7 +67,7 @@ class ServingSettings:
     # the embedded store's DRAM tier in shared memory, in the execute that computes the request)
     # or "store" (the store process, polled by kv_lookup_alloc's control thread). A store whose
     # DRAM tier is not shared (flexkv, mooncake, /dev/shm too small) always copies itself.
-    host_hit_copy: str = "store"
+    host_hit_copy: str = "reader"
     # hstu_compute on CUDA: the most CUDA graphs of the compiled forward it keeps, one per bucketed
     # batch shape (compute.graphs; CUDA_GRAPHS is a trace's worth); 0 calls the package directly
     # every time. Ignored on the CPU. Off until measured on the GPU.

@@ -201,7 +201,11 @@ def test_printed_recipe_runs_as_printed_and_gets_host_hits(tmp_path: Path) -> No
         while kv_metric(metrics, "hstu_kv_lookups_total", model=LOOKUP, outcome="host_hit") < 1:
             assert time.monotonic() < deadline, f"no host hit:\n{tail(log)}"
             time.sleep(0.5)
-        assert kv_metric(metrics, "hstu_kv_onboarded_pages_total", model=LOOKUP) > 0
+        copied = lambda: (kv_metric(metrics, "hstu_kv_onboarded_pages_total"),  # noqa: E731
+                          kv_metric(metrics, "hstu_kv_onboard_failed_pages_total"))
+        while copied()[0] < 1:  # hstu_compute's copies (the default), published every second or so
+            assert time.monotonic() < deadline + 10, f"no page onboarded (copied, recomputed: {copied()}):\n{tail(log)}"
+            time.sleep(0.5)
         assert kv_metric(metrics, "hstu_kv_store_errors_total") == 0, tail(log)
     finally:
         left = stop_group(shell, tree)

@@ -86,7 +86,10 @@ def fault_repository(root: Path) -> Path:
 
 
 def fault_launch_config(root: Path):
+    # host_hit_copy=store: these tests prove the store's copy path (its timeouts, quarantine and the
+    # owner's counters); the reader's path has its own (tests/reliability/test_reader_onboard.py).
     return launch_config(root, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk", store_dram_bytes=512 << 20,
+                         host_hit_copy="store",
                          model_repository=fault_repository(root),
                          extra_env={"HSTU_TEST_FAULT_CANDIDATE": str(FAULT_CANDIDATE),
                                     "HSTU_TEST_SLOW_COMMIT_CANDIDATE": str(SLOW_COMMIT_CANDIDATE),
