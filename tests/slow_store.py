@@ -1,5 +1,5 @@
 """Test entry point: the real store server whose copy thread sleeps before each copy, or whose
-socket thread sleeps before each match (the match of a `get_prefix`).
+socket thread sleeps before each match (the match of a `get_prefix`, or a `locate`).
 
     python tests/slow_store.py --copy-delay-s 3 --endpoint ipc://... [any python -m kvlifecycle.store option]
     python tests/slow_store.py --match-delay-s 3 --endpoint ipc://...
@@ -71,6 +71,9 @@ def slow_match_server(stall: Stall) -> type[StoreServer]:
 
         def _page_keys(self, *args):  # a get_prefix's match starts with its keys
             return stall(lambda: super(SlowMatchStoreServer, self)._page_keys(*args))
+
+        def _locate(self, *args):  # a reader's match
+            return stall(lambda: super(SlowMatchStoreServer, self)._locate(*args))
 
     return SlowMatchStoreServer
 

@@ -5,12 +5,15 @@ a real tritonserver and store process, through the store's failures:
    (`hstu_kv_onboarded_pages_total{model="hstu_compute"}` moves, kv_lookup_alloc's does not);
 2. with the store killed, the same users are served by recompute, every score right;
 3. after a stop and start of the whole server with the disk tier, they are host hits again:
-   `locate` reads their pages from disk into the new shared slab, and hstu_compute copies them.
+   `locate` reads their pages from disk into the new shared slab, and hstu_compute copies them;
+4. with a store whose every match stalls past the store timeout, host hits are computed: a
+   request waits for the store at most one timeout, never for the stall.
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,8 @@ from deploy.client import RankingClient
 from deploy.runtime.schema import COMPUTE, LOOKUP, RankingRequest
 from tests.conftest import start_server
 from tests.helpers import metric, wait_for
-from tests.reliability.conftest import check_scores, history, wait_drained
+from tests.conftest import launch_config
+from tests.reliability.conftest import FaultServer, check_scores, history, wait_drained
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -68,5 +72,32 @@ def test_reader_copies_through_a_store_kill_and_a_restart_from_the_disk_tier(tmp
                 check_scores(reference, r, client.score(r), what="after the restart, from the disk tier,")
         wait_for(lambda: _copied(srv)[0] > copied_before, 30,
                  lambda: f"hstu_compute to copy pages read from the disk tier: {_copied(srv)} (was {copied_before})")
+    finally:
+        srv.stop()
+
+
+def test_a_store_whose_locate_stalls_costs_at_most_its_timeout(tmp_path: Path, reference) -> None:
+    # The disk tier: the restarted (stalling) store holds the users' pages, so the owner hands their
+    # host hits to hstu_compute, whose locate is what stalls.
+    srv = FaultServer(launch_config(tmp_path, pool_pages=POOL_PAGES, host_hit_copy="reader", store_timeout_s=0.5,
+                                    store_disk_dir=tmp_path / "disk"))
+    users = [history(9200 + i, 300, seed=9) for i in range(2)]
+    fillers = [history(9300 + i, 400, seed=10) for i in range(5)]
+    srv.start()
+    try:
+        with RankingClient(srv.grpc_url) as client:
+            for r in users + fillers:  # the users' pages offloaded, then pushed out of the pool
+                check_scores(reference, r, client.score(r), what="before the stall,")
+                wait_drained(srv)
+            srv.stop_store()  # flushes the disk tier
+            srv.store_match_delay_s = 3.0  # every get_prefix and locate waits 3 s: past the 0.5 s timeout
+            srv.start_store()
+            for r in users:
+                grown = _grown(r, 1)
+                started = time.monotonic()
+                check_scores(reference, grown, client.score(grown), what="with a stalled store,")
+                took = time.monotonic() - started
+                assert took < 2.5, f"a host hit waited {took:.2f} s: longer than the store's timeout plus compute"
+        assert "match start" in srv.store_calls(), "hstu_compute never asked the stalled store"
     finally:
         srv.stop()
