@@ -66,7 +66,7 @@ class ServingSettings:
     # Who copies a host hit's pages into the ensemble's pool: "reader" (hstu_compute, straight from
     # the embedded store's DRAM tier in shared memory, in the execute that computes the request)
     # or "store" (the store process, polled by kv_lookup_alloc's control thread). A store whose
-    # DRAM tier is not shared (flexkv, mooncake, /dev/shm too small) always copies itself.
+    # DRAM tier is not shared (flexkv, mooncake, no memfd) always copies itself.
     host_hit_copy: str = "reader"
     # hstu_compute on CUDA: the most CUDA graphs of the compiled forward it keeps, one per bucketed
     # batch shape (compute.graphs; CUDA_GRAPHS is a trace's worth); 0 calls the package directly

@@ -95,7 +95,7 @@ class LocalConfig:
     disk_dir: Path | None = None
     disk_bytes: int = 0  # 0: unbounded
     key_filter: Path | None = None  # where to publish the held keys' filter (key_filter.py); None: nowhere
-    shared_slab: bool = True  # the DRAM tier in /dev/shm, so readers copy host hits themselves (slab.py)
+    shared_slab: bool = True  # the DRAM tier in shared memory (a memfd), so readers copy host hits themselves (slab.py)
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:

@@ -196,7 +196,7 @@ class StoreServer:
         slab = backing.slab_handle()
         if slab is None:
             raise RpcError(RpcStatus.UNSUPPORTED, "this store's DRAM tier is not shared (Mooncake backing, or "
-                           "/dev/shm too small: see the store's log); onboard through get_prefix")
+                           "no memfd: see the store's log); onboard through get_prefix")
         if int(header["page_size"]) != self.pools.page_size:
             raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {header['page_size']}")
         pin_s = float(header["pin_s"])
