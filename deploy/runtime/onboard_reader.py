@@ -14,12 +14,18 @@ A request's pages that were not copied (the store no longer held them, it did no
 copy failed) are computed with its new tokens, so a failed onboard costs that request a
 recompute and nothing else. No control-plane round trip and no poll: the copy ends before the
 forward that reads the pages is launched.
+
+`warm_up` maps the slab before the first host hit, on a thread of its own: mapping it and
+registering its GBs with CUDA took about a second on an H100, which the first host hit after a
+start paid otherwise.
 """
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Sequence
+import threading
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +50,8 @@ class OnboardReader:
         self.store = store
         self.pin_s = pin_s  # how long the store keeps the located rows from eviction
         self._slab: SharedSlab | None = None
+        self._slab_lock = threading.Lock()  # the warm-up thread maps it too
+        self._closed = False
         self._copier: PageCopier | None = None
         self._copier_pool: PagePool | None = None
         self._counters = collections.Counter[str]()
@@ -56,7 +64,7 @@ class OnboardReader:
         copied = [0] * len(plans)
         try:
             located = self.store.locate(wanted, self.pin_s)
-            slab = self._map(located.slab, pool) if located is not None else None
+            slab = self._map(located.slab, pin=pool.tensor.is_cuda) if located is not None else None
             if slab is not None:
                 rows, pages, versions = [], [], []
                 for plan, keys, found, found_versions in zip(plans, wanted, located.rows, located.versions):
@@ -82,31 +90,48 @@ class OnboardReader:
         self._counters["onboard_failed_pages"] += total - sum(copied)
         return copied
 
+    def warm_up(self, owner_registered: Callable[[], bool], pin: bool, timeout_s: float = 120.0) -> None:
+        """Map the store's slab once the owner registered its pool with the store (then the store
+        has made it); gives up quietly after ``timeout_s`` (the first host hit maps it then)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._closed and time.monotonic() < deadline:
+            if owner_registered():
+                located = self.store.locate([], self.pin_s)
+                if located is not None:
+                    self._map(located.slab, pin)
+                return
+            time.sleep(0.2)
+
     def stats(self) -> dict[str, Any]:
         return {key: self._counters[key] for key in self.STATS_KEYS}
 
     def close(self) -> None:
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
+        self._closed = True
+        with self._slab_lock:
+            if self._slab is not None:
+                self._slab.close()
+                self._slab = None
         self.store.close()
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _map(self, handle: dict[str, Any], pool: PagePool) -> SharedSlab | None:
+    def _map(self, handle: dict[str, Any], pin: bool) -> SharedSlab | None:
         """The slab ``handle`` names, mapped once (a restarted store names a new one)."""
-        if self._slab is not None and self._slab.path == handle["path"]:
+        with self._slab_lock:
+            if self._slab is not None and self._slab.path == handle["path"]:
+                return self._slab
+            if self._slab is not None:
+                self._slab.close()
+                self._slab = None
+            started = time.perf_counter()
+            try:
+                self._slab = SharedSlab.attach(handle, pin=pin)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                logger.warning("cannot map the store's shared slab %s; host hits are computed", handle, exc_info=True)
+                return None
+            logger.info("mapped the store's shared DRAM slab %s (%d pages) in %.3f s", self._slab.path,
+                        self._slab.capacity_pages, time.perf_counter() - started)
             return self._slab
-        if self._slab is not None:
-            self._slab.close()
-            self._slab = None
-        try:
-            self._slab = SharedSlab.attach(handle, pin=pool.tensor.is_cuda)
-        except (OSError, RuntimeError, ValueError, KeyError):
-            logger.warning("cannot map the store's shared slab %s; host hits are computed", handle, exc_info=True)
-            return None
-        logger.info("mapped the store's shared DRAM slab %s (%d pages)", self._slab.path, self._slab.capacity_pages)
-        return self._slab
 
     def _copier_for(self, pool: PagePool) -> PageCopier:
         if self._copier_pool is not pool:  # the owner republished its pool

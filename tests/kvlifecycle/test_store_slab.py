@@ -49,6 +49,7 @@ def test_located_rows_copy_what_was_put_pin_against_eviction_and_show_reuse(pool
         _put(store, a, [0, 1, 2, 3], harness.ns)
         keys_a = page_keys(a, harness.ns, SPEC.page_size)
 
+        assert store.locate([], pin_s=1.0).slab == store.slab, "a locate of nothing names the slab"
         unknown = [b"\x01" * 16]
         located = store.locate([keys_a, keys_a[:2] + unknown + keys_a[3:], unknown], pin_s=1.0)
         assert [len(r) for r in located.rows] == [4, 2, 0], "each request's held prefix, and no further"

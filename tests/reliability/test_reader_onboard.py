@@ -16,6 +16,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from deploy.client import RankingClient
@@ -35,6 +36,14 @@ def _grown(r: RankingRequest, step: int) -> RankingRequest:
     return RankingRequest(r.user_id, r.item_ids + [5 + step], r.action_ids + [3], r.candidate_ids)
 
 
+def _maps_the_slab(server, model: str) -> bool:
+    """Whether the stub process of `model` maps the store's DRAM tier (its memfd, `kvlifecycle.store.slab`)."""
+    stubs = [p for p in psutil.Process(server.triton.pid).children(recursive=True)
+             if any(f"/{model}/" in arg for arg in p.cmdline())]
+    assert stubs, f"no stub process of {model}"
+    return any("memfd:hstu-kv-dram-tier" in Path(f"/proc/{p.pid}/maps").read_text() for p in stubs)
+
+
 def _copied(server) -> tuple[float, float]:
     return (metric(server, "hstu_kv_onboarded_pages_total", model=COMPUTE),
             metric(server, "hstu_kv_onboarded_pages_total", model=LOOKUP))
@@ -45,6 +54,8 @@ def test_reader_copies_through_a_store_kill_and_a_restart_from_the_disk_tier(tmp
     users = [history(9000 + i, 200 + 50 * i, seed=7) for i in range(4)]
     fillers = [history(9100 + i, 400, seed=8) for i in range(6)]
     try:
+        # hstu_compute maps the store's slab at load, not at its first host hit
+        wait_for(lambda: _maps_the_slab(srv, "hstu_compute"), 30, "hstu_compute to map the store's slab before any request")
         with RankingClient(srv.grpc_url) as client:
             def serve(requests: list[RankingRequest], what: str) -> None:
                 for r in requests:

@@ -44,6 +44,7 @@ It is aborted and answered with a retryable error, which the project's clients r
 """
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,6 +104,9 @@ class TritonPythonModel:
         self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
                                      pin_s=self.settings.timeouts.onboard_wait_s)
                        if self.settings.store == "embedded" else None)
+        if self.reader is not None:  # map the store's slab now, not at the first host hit
+            threading.Thread(target=self.reader.warm_up, name="hstu-compute-slab-warm-up", daemon=True,
+                             args=(self.settings.pool_handle_path.exists, self.device.type == "cuda")).start()
         published.publish(self.settings.compute_version_path, {
             "version": self.version, "namespace": self.namespace, "model_dir": str(self.model_dir),
             "server_pid": os.getppid(),  # the tritonserver: kv_lookup_alloc ignores a previous server's file
