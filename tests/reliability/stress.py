@@ -30,6 +30,7 @@ import numpy as np
 from deploy import make_configs
 from deploy.launcher import build_model
 from deploy.processes import log_tail
+from deploy.runtime.settings import HOST_HIT_COPIERS, ServingSettings
 from tests.conftest import REPO_ROOT, LocalServer, launch_config, rendered_repository
 from tests.reliability.conftest import FAULT_POOL_PAGES, TOLERANCE, EndlessLoad, Users
 
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lifecycle-max-batch-size", type=int, default=make_configs.LIFECYCLE_MAX_BATCH_SIZE)
     p.add_argument("--seed", type=int, default=int(time.time()))
     p.add_argument("--check-every", type=int, default=50, help="check every Nth answer's scores (0: none)")
+    p.add_argument("--host-hit-copy", choices=HOST_HIT_COPIERS, default=ServingSettings.host_hit_copy,
+                   help="who copies a host hit's pages (hstu-serve's option of that name)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where hstu_compute runs (the default "
                    "float32 model; the reference is the float32 CPU scorer)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="max abs diff of a checked answer")
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
     # The disk tier bounded: an hour of stress wrote 20 GB of pages unbounded.
     server = LocalServer(launch_config(root, device=a.device, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
+                                       host_hit_copy=a.host_hit_copy,
                                        store_dram_bytes=512 << 20, store_disk_bytes=2 << 30,
                                        model_repository=rendered_repository(
                                            root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
