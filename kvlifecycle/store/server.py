@@ -41,6 +41,7 @@ import zmq
 
 from kvlifecycle.hashing import page_keys
 from kvlifecycle.rpc import RpcError, RpcStatus, answer, decode, prepare_ipc_dir
+from kvlifecycle.store.backing import Backing
 from kvlifecycle.store.copy_worker import CopyTask, CopyWorker
 from kvlifecycle.store.pools import AttachedPool, PoolRegistry
 from kvlifecycle.store.protocol import MAX_PIN_S, Op, check_task_pages, keys_from_words
@@ -190,15 +191,11 @@ class StoreServer:
         return {}
 
     def _locate(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-        backing = self.pools.backing
-        if backing is None:
-            raise RpcError(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
+        backing = self._backing(int(header["page_size"]))
         slab = backing.slab_handle()
         if slab is None:
             raise RpcError(RpcStatus.UNSUPPORTED, "this store's DRAM tier is not shared (Mooncake backing, or "
                            "no memfd: see the store's log); onboard through get_prefix")
-        if int(header["page_size"]) != self.pools.page_size:
-            raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {header['page_size']}")
         pin_s = float(header["pin_s"])
         if not 0 < pin_s <= MAX_PIN_S:
             raise ValueError(f"pin_s: expected (0, {MAX_PIN_S}] seconds, got {pin_s}")
@@ -211,11 +208,16 @@ class StoreServer:
                 "versions": [versions.tolist() for _, versions in located]}
 
     def _page_keys(self, page_size: int, tokens: np.ndarray, namespace: str) -> list[bytes]:
+        self._backing(page_size)
+        return page_keys(tokens, namespace, page_size)
+
+    def _backing(self, page_size: int) -> Backing:
+        """The pools' backing, for a request of pages of ``page_size`` tokens."""
         if self.pools.backing is None:
             raise RpcError(RpcStatus.NO_POOL, "no page pool registered yet; call register_pool")
         if page_size != self.pools.page_size:
             raise ValueError(f"page_size: the store's pools have {self.pools.page_size}, got {page_size}")
-        return page_keys(tokens, namespace, page_size)
+        return self.pools.backing
 
     def _require_pool(self, named: Any, page_size: int) -> AttachedPool:
         """The pool a put/get copies to/from."""
