@@ -1,19 +1,23 @@
 """hstu_compute's onboarding of host hits straight from the store's shared DRAM tier.
 
 kv_lookup_alloc hands a host hit's onboard pages to the process that reads them: the plan names
-their keys (`ComputePlan.onboard_keys`). `OnboardReader.copy` then, for a whole batch:
+their keys (`ComputePlan.onboard_keys`). For a whole batch, `OnboardReader.start`:
 
 1. asks the store where those pages sit in its shared slab (`HostStoreClient.locate`: one round
    trip; the store pins the rows and answers their versions);
-2. copies the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU one
-   host-to-device copy per run of slab rows on the copier's stream, waited on its event);
-3. keeps, per request, the leading pages whose slab row still has the version the store
-   answered (`SharedSlab.unchanged`): a row the store reused meanwhile is never read as the page.
+2. queues the copy of the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU
+   one host-to-device copy per run of slab rows on the copier's stream) and returns: the stream
+   that runs the forward waits for the copy on the GPU, so the host launches the batch's forward
+   meanwhile;
+
+and once that forward has run, `OnboardReader.finish` keeps, per request, the leading pages whose
+slab row still has the version the store answered (`SharedSlab.unchanged`): a row the store
+reused meanwhile is never taken as the page; hstu_compute computes such a request again.
 
 A request's pages that were not copied (the store no longer held them, it did not answer, or the
 copy failed) are computed with its new tokens, so a failed onboard costs that request a
-recompute and nothing else. No control-plane round trip and no poll: the copy ends before the
-forward that reads the pages is launched.
+recompute and nothing else. No control-plane round trip, no poll, and no host-side wait for the
+copy before the forward is launched.
 
 `warm_up` maps the slab before the first host hit, on a thread of its own: mapping it and
 registering its GBs with CUDA took about a second on an H100, which the first host hit after a
@@ -25,6 +29,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -56,39 +61,58 @@ class OnboardReader:
         self._copier_pool: PagePool | None = None
         self._counters = collections.Counter[str]()
 
-    def copy(self, pool: PagePool, plans: Sequence[ComputePlan]) -> list[int]:
-        """Copy each plan's onboard pages that the store holds into its lease's pages; how many
-        leading onboard pages of each plan now hold their KV (the rest are to be computed)."""
+    def start(self, pool: PagePool, plans: Sequence[ComputePlan]) -> "QueuedOnboard":
+        """Queue the copy of each plan's onboard pages that the store holds into its lease's
+        pages; the calling thread's stream reads them after the copy (on the GPU the host does
+        not wait for it). ``QueuedOnboard.pages[i]``: the leading onboard pages of plan i to be
+        read from the pool; ``finish`` says which of them stayed right."""
         page_size = pool.spec.page_size
         wanted = [keys_from_words(plan.onboard_keys.numpy()) for plan in plans]
-        copied = [0] * len(plans)
+        queued = QueuedOnboard(pages=[0] * len(plans), wanted=sum(len(keys) for keys in wanted))
         try:
             located = self.store.locate(wanted, self.pin_s)
             slab = self._map(located.slab, pin=pool.tensor.is_cuda) if located is not None else None
             if slab is not None:
-                rows, pages, versions = [], [], []
+                pages = []
                 for plan, keys, found, found_versions in zip(plans, wanted, located.rows, located.versions):
                     n = min(len(found), len(keys))
                     first = (plan.cached_len - plan.onboard_len) // page_size  # the first onboard page
-                    rows.append(found[:n])
-                    versions.append(found_versions[:n])
+                    queued.rows.append(np.asarray(found[:n], dtype=np.int64))
+                    queued.versions.append(np.asarray(found_versions[:n], dtype=np.int64))
                     pages.append(plan.page_row[first:first + n].numpy())
-                all_rows = np.concatenate(rows)
-                self._copier_for(pool).scatter(slab.rows, all_rows, np.concatenate(pages))
-                unchanged = slab.unchanged(all_rows, np.concatenate(versions))
-                start = 0
-                for i, segment in enumerate(rows):
-                    ok = unchanged[start:start + len(segment)]
-                    copied[i] = len(ok) if ok.all() else int(np.argmin(ok))  # the leading unchanged rows
-                    start += len(segment)
+                queued.done = self._copier_for(pool).scatter(slab.rows, np.concatenate(queued.rows),
+                                                             np.concatenate(pages), wait=False)
+                queued.slab = slab
+                queued.pages = [len(rows) for rows in queued.rows]
         except Exception:
             logger.warning("onboard from the store's slab failed for %d requests; computing their pages",
                            len(plans), exc_info=True)
-            copied = [0] * len(plans)
-        total = sum(len(keys) for keys in wanted)
-        self._counters["onboarded_pages"] += sum(copied)
-        self._counters["onboard_failed_pages"] += total - sum(copied)
-        return copied
+            queued.pages, queued.rows, queued.versions, queued.slab = [0] * len(plans), [], [], None
+            if self._copier is not None:  # a copy queued before the failure must not land on computed pages
+                self._copier.synchronize()
+        return queued
+
+    def finish(self, queued: "QueuedOnboard") -> list[int]:
+        """Per plan of ``queued``, how many leading onboard pages hold their KV: the copy ended,
+        and their slab rows kept the version the store answered (a row it reused meanwhile may
+        have been copied half old, half new). The rest are to be computed. Checked and counted at
+        the first call; later calls answer the same."""
+        if queued.intact is not None:
+            return queued.intact
+        if queued.done is not None:
+            queued.done.synchronize()  # done already when the forward that read the pages has synced
+        intact = [0] * len(queued.pages)
+        if queued.slab is not None:
+            unchanged = queued.slab.unchanged(np.concatenate(queued.rows), np.concatenate(queued.versions))
+            start = 0
+            for i, segment in enumerate(queued.rows):
+                ok = unchanged[start:start + len(segment)]
+                intact[i] = len(ok) if ok.all() else int(np.argmin(ok))  # the leading unchanged rows
+                start += len(segment)
+        self._counters["onboarded_pages"] += sum(intact)
+        self._counters["onboard_failed_pages"] += queued.wanted - sum(intact)
+        queued.intact = intact
+        return intact
 
     def warm_up(self, owner_registered: Callable[[], bool], pin: bool, timeout_s: float = 120.0) -> None:
         """Map the store's slab once the owner registered its pool with the store (then the store
@@ -137,3 +161,16 @@ class OnboardReader:
         if self._copier_pool is not pool:  # the owner republished its pool
             self._copier, self._copier_pool = PageCopier(pool.tensor), pool
         return self._copier
+
+
+@dataclass
+class QueuedOnboard:
+    """A batch's copy from the slab, queued by ``OnboardReader.start``."""
+
+    pages: list[int]  # per plan: the leading onboard pages queued (read unless `finish` says otherwise)
+    wanted: int  # onboard pages the plans named
+    rows: list[np.ndarray] = field(default_factory=list)  # per plan: the slab rows copied
+    versions: list[np.ndarray] = field(default_factory=list)  # per plan: their versions when located
+    slab: SharedSlab | None = None
+    done: Any = None  # the copy's CUDA event (None: nothing pending on the host's side)
+    intact: list[int] | None = None  # `OnboardReader.finish`'s answer, once asked

@@ -6,7 +6,8 @@ contiguous run of bytes (a disk file, a Mooncake value).
 
 Every call moves all requested pages at once (``index_select`` / ``index_copy_``), never a
 Python loop per page. On CUDA the copies run on the copier's own stream and the call returns
-after that stream's event completed; host memory should then be pinned, and host-side
+after that stream's event completed (``scatter(..., wait=False)``: once queued, with the caller's
+stream ordered after them); host memory should then be pinned, and host-side
 copies are issued per run of consecutive host rows (one ``copy_`` per run, usually one).
 
 On the CPU a page of one layer is copied as one row of 64-bit words (``_word_rows``), straight
@@ -36,7 +37,7 @@ def host_page_shape(pool_shape: tuple[int, ...]) -> tuple[int, ...]:
 class PageCopier:
     """Copies pages between one pool tensor and host page tensors. Not thread-safe: one
     copier per copying thread. Calls are synchronous and ordered: when a call returns, its
-    bytes are in place."""
+    bytes are in place (``scatter`` can return earlier: see there)."""
 
     def __init__(self, pool: torch.Tensor) -> None:
         assert pool.dim() == 6 and pool.shape[2] == 2, (
@@ -48,6 +49,11 @@ class PageCopier:
         self._pool_words = None if self._cuda else _word_rows(pool)  # [L, P, W]: the CPU path's view
 
     # -- public API ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued (``scatter(..., wait=False)``)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def gather(self, pool_pages: np.ndarray, out: torch.Tensor, rows: np.ndarray) -> None:
         """Offload: ``out[rows[i]] = pool[:, pool_pages[i]]`` for every i."""
@@ -71,10 +77,17 @@ class PageCopier:
             done.record(self._stream)
         done.synchronize()
 
-    def scatter(self, src: torch.Tensor, rows: np.ndarray, pool_pages: np.ndarray) -> None:
-        """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i."""
+    def scatter(self, src: torch.Tensor, rows: np.ndarray, pool_pages: np.ndarray,
+                wait: bool = True) -> "torch.cuda.Event | None":
+        """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i.
+
+        ``wait=False`` on CUDA returns once the copy is queued: the calling thread's current
+        stream waits for it on the GPU (so a forward launched next on that stream reads the
+        pages), and the returned event marks its end for whatever must know it on the host
+        (``src`` must stay mapped until then). Otherwise the pages are in place on return, and
+        None is returned."""
         if len(pool_pages) == 0:
-            return
+            return None
         pages = _pages_tensor(pool_pages)
         if not self._cuda:
             pool_words, src_words = self._pool_words, _word_rows(src)  # [L, P, W], [N, L, W]
@@ -82,9 +95,12 @@ class PageCopier:
                 run = pages[start:start + length]
                 for layer in range(pool_words.shape[0]):
                     pool_words[layer].index_copy_(0, run, src_words[row:row + length, layer])
-            return
+            return None
         assert self._stream is not None
+        caller = torch.cuda.current_stream(self.pool.device)
         with torch.cuda.stream(self._stream):
+            # staged and dev_pages are freed on this stream: the allocator reuses their blocks only
+            # for work queued on it later, so returning before the copy ends is safe
             staged = torch.empty((len(rows), *self.page_shape), dtype=self.pool.dtype,
                                  device=self.pool.device)
             for start, row, length in _runs(rows):
@@ -93,7 +109,11 @@ class PageCopier:
             self.pool.index_copy_(1, dev_pages, staged.transpose(0, 1))
             done = torch.cuda.Event()
             done.record(self._stream)
-        done.synchronize()
+        if wait:
+            done.synchronize()
+            return None
+        caller.wait_event(done)
+        return done
 
 
 # ---------------------------------------------------------------------------------------

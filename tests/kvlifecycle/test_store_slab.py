@@ -5,6 +5,8 @@ a real store process, a real CPU pool, the reader's own copy.
   were put, and every row still has the version the store answered;
 - located rows are pinned: a put that needs room cannot evict them while the pin lasts;
 - once the pin expired and the rows were reused, the versions tell the reader so;
+- hstu_compute's reader (``OnboardReader``) queues a batch's copy and checks it after the forward:
+  rows reused in between are reported not onboarded (computed), intact ones onboarded;
 - a reader maps the store's memory, and keeps it after the store closed it;
 - where no shared memory file can be made, the tier stays private.
 """
@@ -18,9 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from deploy.runtime.compute_plan import ComputePlan
+from deploy.runtime.onboard_reader import OnboardReader
 from kvlifecycle.hashing import page_keys
 from kvlifecycle.pool import PagePool
 from kvlifecycle.store import Status
+from kvlifecycle.store.protocol import keys_to_words
 from kvlifecycle.store import slab as slab_module
 from kvlifecycle.store.slab import SharedSlab
 from kvlifecycle.store.tiers import DramTier
@@ -75,6 +80,44 @@ def test_located_rows_copy_what_was_put_pin_against_eviction_and_show_reuse(pool
                 "rows written again kept their versions: a reader could not tell")
         finally:
             slab.close()
+    finally:
+        harness.close()
+
+
+def _onboard_plan(history: np.ndarray, keys: list[bytes], page_row: list[int]) -> ComputePlan:
+    """A host hit's plan as kv_lookup_alloc writes it: every full page onboarded by the reader."""
+    cached = len(keys) * SPEC.page_size
+    return ComputePlan(new_tokens=torch.from_numpy(history), cached_len=cached, onboard_len=cached,
+                       page_row=torch.tensor(page_row), candidates=torch.ones(1, dtype=torch.int64), namespace_tag=0,
+                       lease_id=1, onboard_keys=torch.from_numpy(keys_to_words(keys)))
+
+
+def test_the_reader_checks_its_queued_copy_after_the_forward(pool: PagePool) -> None:
+    harness = EmbeddedHarness(pool, capacity_pages=8)
+    try:
+        store = harness.client()
+        assert store.register_pool(pool.handle()) and store.slab is not None, "the store's DRAM tier is not shared"
+        a, c = tokens(4, start=1), tokens(8, start=5000)
+        put_a = fill_random(pool, [0, 1, 2, 3], seed=1)
+        _put(store, a, [0, 1, 2, 3], harness.ns)
+        plan = _onboard_plan(a, page_keys(a, harness.ns, SPEC.page_size), [10, 11, 12, 13])
+        reader = OnboardReader(harness.client(), pin_s=0.5)
+        try:
+            queued = reader.start(pool, [plan, plan._replace(onboard_keys=torch.zeros((0, 2), dtype=torch.int64))])
+            assert queued.pages == [4, 0], "the held prefix is queued; a plan without keys reads nothing"
+            assert reader.finish(queued) == [4, 0] and reader.finish(queued) == [4, 0], "checked once, asked twice"
+            assert torch.equal(pool.tensor[:, 10:14], put_a), "the copy landed in the lease's pages"
+
+            # The same copy, its rows reused before the check (the pin expired, a put took them).
+            queued = reader.start(pool, [plan._replace(page_row=torch.tensor([20, 21, 22, 23]))])
+            assert queued.pages == [4]
+            time.sleep(0.6)
+            fill_random(pool, list(range(24, 32)), seed=3)
+            _put(store, c, list(range(24, 32)), harness.ns)
+            assert reader.finish(queued) == [0], "rows the store reused before the check were taken as the pages"
+            assert reader.stats() == {"onboarded_pages": 4, "onboard_failed_pages": 4}
+        finally:
+            reader.close()
     finally:
         harness.close()
 

@@ -9,9 +9,11 @@ scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself
 
 Onboarding from the store's shared DRAM tier (the default with the embedded store): the plan
 names the onboard pages' keys (`onboard_keys`). `execute` asks the store where the batch's pages
-sit in its shared slab (`locate`: one round trip for the batch, rows pinned), copies them into the
-pool itself (`OnboardReader`), and computes those requests with the rest of the batch; a page the
-store no longer holds, or whose slab row was reused meanwhile, is computed instead.
+sit in its shared slab (`locate`: one round trip for the batch, rows pinned), queues their copy
+into the pool (`OnboardReader.start`), and computes those requests with the rest of the batch: the
+forward's stream waits for the copy on the GPU, not the host. Once the forward has run, a request
+whose slab rows the store reused meanwhile is computed again without them (`OnboardReader.finish`);
+a page the store no longer holds is computed in the first place.
 
 Onboarding by the store (a store whose DRAM tier is not shared, or HSTU_HOST_HIT_COPY=store):
 kv_lookup_alloc answers a request with pages beyond its device prefix before the
@@ -61,7 +63,7 @@ from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.cache_owner import open_store_client
 from deploy.runtime.compute_plan import ComputePlan
-from deploy.runtime.onboard_reader import OnboardReader
+from deploy.runtime.onboard_reader import OnboardReader, QueuedOnboard
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import Reply, error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
@@ -131,7 +133,7 @@ class TritonPythonModel:
                     p.plan = plan
                     (reading if plan.onboard_keys.shape[0] else onboarding if plan.onboard_len else ready).append(p)
             settled = self._settler.submit(self._settle_onboards, onboarding) if onboarding else None
-            if reading:  # copied from the store's slab now, computed with the batch
+            if reading:  # copied from the store's slab, computed with the batch
                 self._read_onboards(reading)
             self._compute(ready + reading)  # while the store's onboards are settled
             if settled is not None:
@@ -169,30 +171,51 @@ class TritonPythonModel:
             except Exception:
                 logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
                 for p in members:
+                    self._read_intact(p)
                     p.answer(self._score_alone(pool, p.plan))
                 continue
             # each request of the sub-batch spent the whole call in compute
             seconds = time.perf_counter() - started
             self.stages.add("compute", seconds, len(members))
             self.stages.add("compute_call", seconds)
+            again = []
             for p, s in zip(members, scores):
-                p.answer(self._response(s))
+                if self._read_intact(p):
+                    p.answer(self._response(s))
+                else:
+                    again.append(p)
+            self._compute(again)  # their copy read slab rows the store reused: computed without them
 
     def _stats(self) -> dict[str, float]:
         reader = self.reader.stats() if self.reader is not None else dict.fromkeys(OnboardReader.STATS_KEYS, 0)
         return {**self.stages.stats(), **self.run.stats, **reader}
 
     def _read_onboards(self, items: list["ComputeRequest"]) -> None:
-        """Copy `items`' onboard pages from the store's slab; each plan then computes what was not copied."""
+        """Queue the copy of `items`' onboard pages from the store's slab; each plan then reads
+        what is queued and computes the rest (`_read_intact` checks the copy after the forward)."""
         started = time.perf_counter()
-        plans = [p.plan for p in items]
         if self.reader is None:  # a plan with keys from an owner whose store this model does not reach
-            copied = [0] * len(plans)
-        else:
-            copied = self.reader.copy(self._attach_pool(), plans)
-        for p, pages in zip(items, copied):
+            for p in items:
+                p.plan = p.plan.after_onboard(0)
+            return
+        queued = self.reader.start(self._attach_pool(), [p.plan for p in items])
+        for i, (p, pages) in enumerate(zip(items, queued.pages)):
+            p.unread_plan, p.read = p.plan, (queued, i)
             p.plan = p.plan.after_onboard(pages * self.page_size)
         self.stages.add("onboard", time.perf_counter() - started, len(items))
+
+    def _read_intact(self, p: "ComputeRequest") -> bool:
+        """Whether the pages `p` read from the slab copy were right (or it read none); if not,
+        `p.plan` becomes the plan that computes them. Call once the forward that read them ran."""
+        if p.read is None:
+            return True
+        queued, i = p.read
+        p.read = None
+        intact = self.reader.finish(queued)[i]
+        if intact == queued.pages[i]:
+            return True
+        p.plan = p.unread_plan.after_onboard(intact * self.page_size)
+        return False
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
@@ -300,3 +323,6 @@ class ComputeRequest(Reply):
     def __init__(self) -> None:
         super().__init__()
         self.plan: ComputePlan | None = None
+        # a host hit read from the store's slab: its plan before that, and (the batch's queued copy, its index)
+        self.unread_plan: ComputePlan | None = None
+        self.read: tuple[QueuedOnboard, int] | None = None
