@@ -68,11 +68,12 @@ def measure(batch_size: int, num_requests: int, num_users: int, pool_pages: int,
         t3 = time.perf_counter()
         launched = kv.onboard_launch(handle, leases)
         t4 = time.perf_counter()
+        tag = namespace_tag(manager.namespace)  # once per batch, as kv_lookup_alloc does
         for (_, _, candidates), user_tokens, (lease_id, cached_len, _), row in zip(inputs, tokens, launched.tolist(),
                                                                                   rows):
             num_pages = -(-user_tokens.numel() // config.page_size)
             ComputePlan(new_tokens=user_tokens[cached_len:], cached_len=cached_len, onboard_len=0,
-                        page_row=row[:num_pages], candidates=candidates, namespace_tag=namespace_tag(manager.namespace),
+                        page_row=row[:num_pages], candidates=candidates, namespace_tag=tag,
                         lease_id=lease_id).pack()
         t5 = time.perf_counter()
         manager.commit_many(leases[:, 0].tolist())

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 HEADER = 7  # cached_len, onboard_len, namespace_tag, lease_id, num_new_tokens, num_pages, num_onboard_keys
-_NO_KEYS = torch.zeros((0, 2), dtype=torch.int64)
+NO_KEYS = torch.zeros((0, 2), dtype=torch.int64)  # a plan without onboard keys (read only)
 
 
 class ComputePlan(NamedTuple):
@@ -33,7 +33,7 @@ class ComputePlan(NamedTuple):
     lease_id: int  # the request's lease in the owner
     # int64 [onboard pages, 2]: the onboard pages' keys when hstu_compute copies them from the
     # store's shared slab itself (kvlifecycle.store.slab); none when the owner settles the onboard
-    onboard_keys: torch.Tensor = _NO_KEYS
+    onboard_keys: torch.Tensor = NO_KEYS
 
     def pack(self) -> torch.Tensor:
         # numpy: one concatenate of small arrays costs a fraction of torch's per-op dispatch
@@ -66,7 +66,7 @@ class ComputePlan(NamedTuple):
         (on ``page_row``: a quarantine moves the lease); the tokens not copied are computed."""
         assert 0 <= copied <= self.onboard_len, f"after_onboard: copied {copied} of {self.onboard_len} onboard tokens"
         return self._replace(new_tokens=self.new_tokens[copied:], cached_len=self.cached_len - self.onboard_len + copied,
-                             onboard_len=0, onboard_keys=_NO_KEYS, page_row=self.page_row if page_row is None else page_row)
+                             onboard_len=0, onboard_keys=NO_KEYS, page_row=self.page_row if page_row is None else page_row)
 
     @staticmethod
     def lease_id_of(flat: torch.Tensor) -> int:

@@ -35,7 +35,7 @@ import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, fingerprint, history_tokens_many
 from deploy.runtime import published
-from deploy.runtime.compute_plan import ComputePlan
+from deploy.runtime.compute_plan import NO_KEYS, ComputePlan
 from deploy.runtime.cache_owner import open_kv_cache
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
@@ -165,7 +165,8 @@ class TritonPythonModel:
                     reader_keys = manager.reader_onboard_keys(launched_leases[:, 0].tolist())
                 self.control.wake()  # its thread asks the store and starts the copies now
             launched = time.perf_counter()
-            responses = [self._response(item, lease, allocated_lease, row, keys) for item, lease, allocated_lease, row, keys
+            tag = namespace_tag(manager.namespace)  # the batch's leases were made in it
+            responses = [self._response(item, lease, allocated_lease, row, keys, tag) for item, lease, allocated_lease, row, keys
                          in zip(batch, launched_leases.tolist(), leases[:, 0].tolist(), page_rows, reader_keys)]
         except Exception:
             for lease_id in leases[:, 0].tolist():  # the caller serves them again: their pages return now
@@ -181,9 +182,10 @@ class TritonPythonModel:
         self.stages.add("onboard_launch", launched - allocated, n)
 
     def _response(self, item: "OwnerRequest", lease: list[int], allocated_lease_id: int, page_row: torch.Tensor,
-                  onboard_keys: tuple[bytes, ...]):
+                  onboard_keys: tuple[bytes, ...], tag: int):
         """The request's plan; `lease` is its (lease_id, cached_len, onboard pages being copied) row;
-        `onboard_keys` the keys of the onboard pages hstu_compute copies itself (none: the owner's copy)."""
+        `onboard_keys` the keys of the onboard pages hstu_compute copies itself (none: the owner's copy);
+        `tag` the lease's KV namespace tag."""
         lease_id, cached_len, copying = lease
         if allocated_lease_id < 0:
             stats = self.cache.manager.stats()
@@ -199,8 +201,8 @@ class TritonPythonModel:
         num_pages = -(-item.tokens.numel() // page_size)  # the lease's row; -1 pads it in page_row
         plan = ComputePlan(new_tokens=item.tokens[cached_len - onboard_len:], cached_len=cached_len,
                            onboard_len=onboard_len, page_row=page_row[:num_pages], candidates=item.inputs.candidate_ids,
-                           namespace_tag=namespace_tag(self.cache.manager.namespace), lease_id=lease_id,
-                           onboard_keys=torch.from_numpy(keys_to_words(list(onboard_keys))))
+                           namespace_tag=tag, lease_id=lease_id,
+                           onboard_keys=torch.from_numpy(keys_to_words(list(onboard_keys))) if onboard_keys else NO_KEYS)
         return pb_utils.InferenceResponse(output_tensors=[output_tensor("compute_plan", plan.pack().reshape(1, -1))])
 
 
