@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, help="requests per sweep run")
     p.add_argument("--users", type=int, help="users in the sweep trace")
     p.add_argument("--concurrency", type=int, nargs="+", help="sweep points (default 1 2 4 8 16)")
+    p.add_argument("--cache-tokens", type=int, nargs="+",
+                   help="the cache phase's history lengths in tokens (default 256 1024 4096): where a host hit "
+                        "starts to beat a miss on this hardware")
     p.add_argument("--no-perf-analyzer", action="store_true")
     p.add_argument("--no-offload-compare", action="store_true", help="skip server B (--store none)")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="run only these phases")
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
               and not (x == "offload" and (a.no_offload_compare or a.store == "none"))
               and not (x == "host_hits" and a.store == "none")]
     overrides = {"repeats": a.repeats, "requests": a.requests, "users": a.users,
-                 "concurrencies": tuple(a.concurrency) if a.concurrency else None}
+                 "concurrencies": tuple(a.concurrency) if a.concurrency else None,
+                 "cache_tokens": tuple(a.cache_tokens) if a.cache_tokens else None}
     cfg = dataclasses.replace(BenchConfig.quick() if a.quick else BenchConfig(), seed=a.seed, phases=tuple(phases),
                               **{k: v for k, v in overrides.items() if v is not None})
     try:

@@ -26,12 +26,15 @@ class BenchConfig:
     overhead_requests: int = 30
     device_hit_requests: int = 100  # per block of the device_hit phase
     device_hit_tokens: tuple[int, ...] = (1024, 4096)  # its history lengths
+    cache_tokens: tuple[int, ...] = (256, 1024, 4096)  # the cache phase's history lengths
     offload_concurrency: int = 8  # also the host_hits phase's
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats}: expected >= 1")
+        if not self.cache_tokens or min(self.cache_tokens) < 2:
+            raise ValueError(f"cache_tokens={self.cache_tokens}: expected history lengths of >= 2 tokens")
         if not self.concurrencies or min(self.concurrencies) < 1:
             raise ValueError(f"concurrencies={self.concurrencies}: expected positive integers")
         unknown = set(self.phases) - set(PHASES)

@@ -54,7 +54,6 @@ from deploy.trace import TraceConfig, generate, perf_analyzer_data
 
 logger = logging.getLogger("hstu-bench")
 
-CACHE_HISTORY_TOKENS = (256, 1024, 4096)
 CACHE_NEW_EVENTS = 8
 CACHE_CANDIDATES = 64
 OFFLOAD_SETTLE_S = 0.5  # both models offload a request's pages after its answer; let the puts land
@@ -143,7 +142,7 @@ class Bench:
         rows = []
         clients = {m: RankingClient(self.server.grpc_url, model=m, timeout_s=120) for m in MODELS}
         try:
-            for tokens in CACHE_HISTORY_TOKENS:
+            for tokens in self.cfg.cache_tokens:
                 events = tokens // 2
                 if events > self.model.max_history_events:
                     logger.warning("cache: %d tokens exceed the model's max history; skipped", tokens)
