@@ -36,12 +36,14 @@ class ComputePlan(NamedTuple):
     onboard_keys: torch.Tensor = NO_KEYS
 
     def pack(self) -> torch.Tensor:
-        # numpy: one concatenate of small arrays costs a fraction of torch's per-op dispatch
-        header = (self.cached_len, self.onboard_len, self.namespace_tag, self.lease_id, self.new_tokens.numel(),
-                  self.page_row.numel(), self.onboard_keys.shape[0])
-        return torch.from_numpy(np.concatenate([np.asarray(header, dtype=np.int64), self.new_tokens.reshape(-1).numpy(),
-                                                self.page_row.reshape(-1).numpy(), self.onboard_keys.reshape(-1).numpy(),
-                                                self.candidates.reshape(-1).numpy()]))
+        # numpy views and one concatenate: half the cost of torch's per-op dispatch (kv_lookup_alloc
+        # packs every request's plan; 11 -> 6 us each on the CPU machine)
+        new_tokens, page_row = self.new_tokens.numpy(), self.page_row.numpy()
+        onboard_keys, candidates = self.onboard_keys.numpy(), self.candidates.numpy()
+        header = np.array((self.cached_len, self.onboard_len, self.namespace_tag, self.lease_id, new_tokens.size,
+                           page_row.size, len(onboard_keys)), dtype=np.int64)
+        return torch.from_numpy(np.concatenate([header, new_tokens.ravel(), page_row.ravel(), onboard_keys.ravel(),
+                                                candidates.ravel()]))
 
     @classmethod
     def unpack(cls, flat: torch.Tensor) -> "ComputePlan":
