@@ -7,6 +7,7 @@ a real store process, a real CPU pool, the reader's own copy.
 - once the pin expired and the rows were reused, the versions tell the reader so;
 - hstu_compute's reader (``OnboardReader``) queues a batch's copy and checks it after the forward:
   rows reused in between are reported not onboarded (computed), intact ones onboarded;
+- on CUDA, a copy queued without waiting is read by the next work on the caller's stream;
 - a reader maps the store's memory, and keeps it after the store closed it;
 - where no shared memory file can be made, the tier stays private.
 """
@@ -23,7 +24,7 @@ import torch
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.onboard_reader import OnboardReader
 from kvlifecycle.hashing import page_keys
-from kvlifecycle.pool import PagePool
+from kvlifecycle.pool import PagePool, PoolSpec
 from kvlifecycle.store import Status
 from kvlifecycle.store.protocol import keys_to_words
 from kvlifecycle.store import slab as slab_module
@@ -145,3 +146,25 @@ def test_a_reader_maps_the_store_memory_and_keeps_it_after_the_store_closed_it()
     assert not os.path.exists(path), "the store's fd is closed"
     assert float(reader.rows[2].max()) == 7.0, "a reader's mapping outlives the store's fd"
     reader.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh pytest)")
+def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream() -> None:
+    """`scatter(..., wait=False)` returns before the copy ends; what the calling thread queues next
+    on its stream (the forward, in hstu_compute) must still read the copied pages. A big copy, so
+    that a missing stream wait would read the old bytes."""
+    spec = PoolSpec(num_layers=4, num_pages=1024, page_size=32, num_heads=4, head_dim=128, dtype="bfloat16",
+                    device="cuda")
+    slab = SharedSlab.create(512, host_page_shape(spec.shape), spec.torch_dtype, pin=True)
+    try:
+        with PagePool.create(spec) as pool:
+            pool.tensor.zero_()
+            slab.rows.copy_(torch.randn(slab.rows.shape, dtype=torch.float32).to(spec.torch_dtype))
+            rows, pages = np.arange(512, dtype=np.int64), np.arange(100, 612, dtype=np.int64)
+            done = PageCopier(pool.tensor).scatter(slab.rows, rows, pages, wait=False)
+            read = pool.tensor[:, 100:612].transpose(0, 1).contiguous()  # on the caller's stream, queued next
+            assert done is not None
+            assert torch.equal(read.cpu(), slab.rows), "the caller's stream read the pages before the copy landed"
+    finally:
+        slab.close()
