@@ -16,7 +16,8 @@ reused meanwhile is never taken as the page; hstu_compute computes such a reques
 
 A request's pages that were not copied (the store no longer held them, it did not answer, or the
 copy failed) are computed with its new tokens, so a failed onboard costs that request a
-recompute and nothing else. No control-plane round trip, no poll, and no host-side wait for the
+recompute and nothing else; a row reused before `finish` (only once its pin expired: the
+forward outlasted `pin_s`) costs it the forward it joined as well. No control-plane round trip, no poll, and no host-side wait for the
 copy before the forward is launched.
 
 `warm_up` maps the slab before the first host hit, on a thread of its own: mapping it and
@@ -43,7 +44,7 @@ from kvlifecycle.store.transfer import PageCopier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OnboardReader"]
+__all__ = ["OnboardReader", "QueuedOnboard"]
 
 
 class OnboardReader:

@@ -142,6 +142,9 @@ class TritonPythonModel:
             logger.error("hstu_compute failed on a batch of %d", len(requests), exc_info=True)
             for p in pending:
                 p.answer(error_response(f"hstu_compute: internal error: {e}"))
+            for p in pending:  # a slab copy still queued must end (and count) before execute returns
+                if p.read is not None:
+                    self.reader.finish(p.read[0])
         return [p.response for p in pending]
 
     def finalize(self):
