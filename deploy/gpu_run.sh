@@ -27,6 +27,10 @@
 #            and perf_analyzer at c=$BENCH_CONCURRENCY (default 1 8 32); "offload" the p99 with offload on
 #            and off at c=8 (a second server, --store none). Every request the bench times is checked
 #            against the float32 reference (perf_analyzer's cannot be)
+#   crossover  where a host hit starts to beat a miss (README, "When a host hit pays"): every config's
+#            AOTI package built first, in parallel; deploy/bench/onboard.py (the onboard's fixed cost,
+#            and the reader's host time before the forward); then hstu-bench's cache phase per config at
+#            $CACHE_TOKENS (default 256 512 1024 2048 4096 tokens), $CACHE_REPEATS repeats (default 2)
 #   profile  deploy/bench/profile.py --serve on the first config: perf_analyzer (unary) on each model
 #            at c=$PROFILE_CONCURRENCY (default 1 32), every stub sampled with py-spy meanwhile: each
 #            model's hottest functions, and each step's mean batch and ms per execute; $PROFILE_ARGS e.g. "--models hstu_ranking"
@@ -39,18 +43,18 @@
 #            host-hit-heavy trace at c=8; p99 with offload on/off at c=8. The cache phase's host hit
 #            is the other model's offload, which FlexKV's per-pool tier never has: nan there)
 # Stages run in the order given.
-#   deploy/gpu_run.sh [pytest] [stress] [floor] [compute] [serve|sweep|pooldemo|bench] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
+#   deploy/gpu_run.sh [pytest] [stress] [floor] [compute] [serve|sweep|pooldemo|bench] [crossover] [flexkv] [--configs "small large"] [--tolerance T (default: the model's, compute.reference.default_tolerance)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-deploy/reports}"
 STAGES=() CONFIGS="small large" TOL_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    pytest|stress|floor|compute|sweep|pooldemo|bench|profile|flexkv) STAGES+=("$1") ;;
+    pytest|stress|floor|compute|sweep|pooldemo|bench|crossover|profile|flexkv) STAGES+=("$1") ;;
     serve) STAGES+=(sweep pooldemo bench) ;;
     --configs) CONFIGS="$2"; shift ;;
     --tolerance) TOL_ARGS=(--tolerance "$2"); shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, stress, floor, compute, serve, sweep, pooldemo, bench, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
+    *) echo "gpu_run.sh: unknown argument $1 (expected pytest, stress, floor, compute, serve, sweep, pooldemo, bench, crossover, profile, flexkv, --configs, --tolerance)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -94,6 +98,24 @@ for stage in "${STAGES[@]}"; do
       # hstu_compute's Python around the call, on this host's cores (seconds)
       python3 -m deploy.bench.host_work --pinned --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --report-dir "$OUT" || status=1
+    done
+  fi
+  if [ "$stage" = crossover ]; then
+    builds=()
+    for name in $CONFIGS; do  # the cache phases would build them one after the other
+      dir=$(python3 -c "from deploy.serving_options import model_dir_for as d; print(d('deploy/configs/gpu_${name}_bf16.json'))")
+      python3 -c "import sys; from compute.build import main; raise SystemExit(main(sys.argv[1:]))" \
+        --model-dir "$dir" --device cuda > "$OUT/gpu-build-$name.log" 2>&1 &
+      builds+=($!)
+    done
+    for pid in "${builds[@]}"; do wait "$pid" || status=1; done
+    python3 -m deploy.bench.onboard --device cuda --repeats 10 --report-dir "$OUT" 2>&1 | grep -v " INFO " \
+      | tee "$OUT/gpu-onboard.log" || status=1
+    for name in $CONFIGS; do
+      python3 -m deploy.bench --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" "${TOL_ARGS[@]}" \
+        --pool-pages "$POOL_PAGES" --phases cache --repeats "${CACHE_REPEATS:-2}" \
+        --cache-tokens ${CACHE_TOKENS:-256 512 1024 2048 4096} --no-perf-analyzer --out-dir "$OUT/bench-cache-$name" 2>&1 \
+        | grep -v " INFO " | tee "$OUT/gpu-cache-$name.log" || status=1
     done
   fi
   if [ "$stage" = flexkv ]; then
