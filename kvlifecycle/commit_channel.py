@@ -21,6 +21,16 @@ the control thread sends them, off every request's path.
     datagram: magic b"KVC1" | endpoint length u16 | endpoint utf-8 | lease ids int64 ...
     to the endpoint: kvlifecycle.rpc frames {"committed": [Committed.to_json(), ...]}
 
+The same inbox takes the reader's report (``CommitSender.report_read``): hstu_compute, which
+copies host hits from the store's shared slab itself, says how many leading onboard pages of
+each lease it copied, so that the commit does not offload them back into the store that holds
+them (``LeaseTable.reader_copied``). hstu_compute sends it before its answer leaves, so it is in
+the inbox before the commit datagram kv_offload sends on that answer (one socket queue, in order
+of sending). A report that could not be sent, or that arrives after a round-trip commit, only
+costs the status quo: those pages are offered to the store, which skips the keys it holds.
+
+    datagram: magic b"KVR1" | n u16 | lease ids int64 * n | copied pages int64 * n
+
 A sender that cannot deliver (no inbox: the owner is not running yet or restarted; the queue is
 full: the owner stalls) gets False and commits with a round trip instead (``ControlClient``):
 never slower than before, and never unannounced.
@@ -44,7 +54,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CommitInbox", "CommitSender", "inbox_path"]
 
 MAGIC = b"KVC1"
-_HEADER = struct.Struct("<4sH")
+READ_MAGIC = b"KVR1"
+_HEADER = struct.Struct("<4sH")  # magic, then the endpoint's length (KVC1) or the count of leases (KVR1)
 MAX_LEASES = 4096  # per datagram: 32 KiB of ids, well within a Unix datagram's limit
 
 
@@ -72,6 +83,21 @@ def decode(datagram: bytes) -> tuple[str, list[int]]:
     return endpoint, np.frombuffer(ids, dtype="<i8").tolist()
 
 
+def encode_read(lease_ids: Sequence[int], pages: Sequence[int]) -> bytes:
+    assert len(lease_ids) == len(pages), "encode_read: one count of copied pages per lease"
+    return (_HEADER.pack(READ_MAGIC, len(lease_ids)) + np.asarray(lease_ids, dtype="<i8").tobytes()
+            + np.asarray(pages, dtype="<i8").tobytes())
+
+
+def decode_read(datagram: bytes) -> tuple[list[int], list[int]]:
+    """(lease ids, copied pages) of a reader's report; ValueError for anything else."""
+    magic, n = _HEADER.unpack_from(datagram) if len(datagram) >= _HEADER.size else (b"", -1)
+    if magic != READ_MAGIC or len(datagram) != _HEADER.size + 16 * n:
+        raise ValueError(f"read datagram: bad magic {magic!r} or {len(datagram)} bytes for {n} leases")
+    values = np.frombuffer(datagram, dtype="<i8", offset=_HEADER.size)
+    return values[:n].tolist(), values[n:].tolist()
+
+
 class CommitSender:
     """kv_offload's side: ``send(lease_ids) -> bool``. Not thread-safe (its caller's thread)."""
 
@@ -86,8 +112,11 @@ class CommitSender:
         now (the caller commits with a round trip instead)."""
         if not lease_ids or len(lease_ids) > MAX_LEASES:
             return False
+        return self._send(encode(self.reply_endpoint, lease_ids))
+
+    def _send(self, datagram: bytes) -> bool:
         try:
-            self._sock.sendto(encode(self.reply_endpoint, lease_ids), self.path)
+            self._sock.sendto(datagram, self.path)
             return True
         except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):  # no owner, or it stalls
             return False
@@ -96,19 +125,29 @@ class CommitSender:
                 return False
             raise
 
+    def report_read(self, lease_ids: Sequence[int], pages: Sequence[int]) -> bool:
+        """The reader's report: it copied the first ``pages[i]`` onboard pages of each lease
+        from the store (see the module docstring). False when it cannot be queued now."""
+        if not lease_ids or len(lease_ids) > MAX_LEASES:
+            return False
+        return self._send(encode_read(lease_ids, pages))
+
     def close(self) -> None:
         self._sock.close()
 
 
 class CommitInbox:
     """The owner's side: ``drain()`` applies every queued commit through ``commit_many`` (the
-    manager's) and keeps each datagram's ``Committed`` for ``take_replies()``. Thread-safe: one
-    lock from taking a datagram until its commits are applied (see the module docstring)."""
+    manager's) and keeps each datagram's ``Committed`` for ``take_replies()``, and every reader's
+    report through ``reader_copied``. Thread-safe: one lock from taking a datagram until it is
+    applied (see the module docstring)."""
 
-    def __init__(self, control_endpoint: str, commit_many) -> None:
+    def __init__(self, control_endpoint: str, commit_many, reader_copied) -> None:
         self.path = inbox_path(control_endpoint)
         self.commit_many = commit_many
-        self.counters = {"commit_datagrams": 0, "commit_datagrams_bad": 0}  # bad: malformed, or its commit failed
+        self.reader_copied = reader_copied
+        # bad: malformed, or applying it failed
+        self.counters = {"commit_datagrams": 0, "commit_datagrams_bad": 0, "read_datagrams": 0}
         self._lock = threading.Lock()
         self._replies: list[tuple[str, list[Committed]]] = []
         if os.path.exists(self.path):  # a previous owner's; its senders fall back until this binds
@@ -129,6 +168,9 @@ class CommitInbox:
                     datagram = self._sock.recv(65536)
                 except BlockingIOError:
                     return applied
+                if datagram[:len(READ_MAGIC)] == READ_MAGIC:
+                    self._apply_read(datagram)
+                    continue
                 try:
                     endpoint, lease_ids = decode(datagram)
                 except (ValueError, UnicodeDecodeError):
@@ -143,6 +185,15 @@ class CommitInbox:
                     continue
                 self.counters["commit_datagrams"] += 1
                 applied += 1
+
+    def _apply_read(self, datagram: bytes) -> None:
+        try:
+            self.reader_copied(*decode_read(datagram))
+        except Exception:  # malformed, or a bug: those pages are offloaded again, as unreported
+            logger.error("commit inbox: reader's report of %d bytes not applied", len(datagram), exc_info=True)
+            self.counters["commit_datagrams_bad"] += 1
+            return
+        self.counters["read_datagrams"] += 1
 
     def take_replies(self) -> list[tuple[str, list[Committed]]]:
         """The ``Committed`` of the commits applied since the last call, per reply endpoint."""

@@ -111,7 +111,7 @@ class ControlServer:
         self._ctx = zmq.Context()
         self.commits: CommitInbox | None = None  # bound before a sender may look
         try:
-            self.commits = CommitInbox(endpoint, manager.commit_many)
+            self.commits = CommitInbox(endpoint, manager.commit_many, manager.reader_copied)
         except OSError as e:  # e.g. a path past AF_UNIX's 107 bytes: kv_offload commits by round trip
             logger.warning("control: no commit inbox beside %s (%s); kv_offload commits with a round trip "
                            "(a shorter run dir path serves faster)", endpoint, e)

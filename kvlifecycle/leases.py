@@ -113,9 +113,11 @@ class Lease:
     # launch asks (one round trip), keeps those it holds and counts the lookup's outcome.
     host_unconfirmed: bool = False
     # The reader (hstu_compute) copies the onboard pages from the store's shared slab itself and
-    # computes those it cannot copy: the owner never learns which, so commit offloads them all
-    # (the store skips the keys it holds).
+    # computes those it cannot copy. It reports how many leading onboard pages it copied
+    # (``reader_copied``, before the answer that leads to the commit): commit offloads only the
+    # others. Unreported, commit offloads them all (the store skips the keys it holds).
     onboard_by_reader: bool = False
+    reader_copied_pages: int = 0
 
     @property
     def cached_len(self) -> int:
@@ -259,6 +261,20 @@ class LeaseTable:
             # by it (hstu_kv_onboard_failed_pages_total).
             self.counters["cached_tokens_served"] += lease.num_onboard_pages * self.page_size
             return lease
+
+    def reader_copied(self, lease_ids: Sequence[int], pages: Sequence[int]) -> int:
+        """The reader copied the first ``pages[i]`` onboard pages of lease ``lease_ids[i]`` from the
+        store: they are in the host tier, so its commit does not offload them. Returns how many
+        leases took the report (a lease gone, or not the reader's, ignores it)."""
+        taken = 0
+        with self._lock:
+            for lease_id, n in zip(lease_ids, pages):
+                lease = self._request_lease(lease_id)
+                if lease is None or not lease.onboard_by_reader:
+                    continue
+                self._leases[lease_id] = replace(lease, reader_copied_pages=max(0, min(int(n), lease.num_onboard_pages)))
+                taken += 1
+        return taken
 
     def finish_onboard(self, lease_id: int, ok_pages: int,
                        in_flight: object = None) -> Lease | None:
@@ -517,14 +533,16 @@ class LeaseTable:
         self._end(lease)
         S = self.page_size
         num_full = lease.num_full_pages
-        onboard_end = lease.num_device_pages + lease.num_onboard_pages
+        # the onboard pages known to be in the host tier: copied from it, so never offloaded again
+        host_end = lease.num_device_pages + (lease.reader_copied_pages if lease.onboard_by_reader
+                                             else lease.num_onboard_pages)
         row = list(lease.page_row)  # a duplicate key's page replaces ours, for the LRU below
         items: list[OffloadItem] = []
         committed = 0
         for i in range(lease.num_device_pages, num_full):
             page = row[i]
             key = lease.keys[i]
-            kept = self.pages.commit(page, lease_id, key, in_host=i < onboard_end and not lease.onboard_by_reader)
+            kept = self.pages.commit(page, lease_id, key, in_host=i < host_end)
             if kept != page:
                 self.counters["duplicate_pages"] += 1
                 row[i] = kept

@@ -364,6 +364,12 @@ class KVCacheManager:
                 out.append(lease.keys[lease.num_device_pages: lease.num_device_pages + lease.num_onboard_pages])
         return out
 
+    def reader_copied(self, lease_ids: Sequence[int], pages: Sequence[int]) -> int:
+        """The reader's report (``kvlifecycle.commit_channel``): it copied the first ``pages[i]``
+        onboard pages of lease ``lease_ids[i]`` from the store, so their commit does not offload
+        them again. Returns how many leases took it."""
+        return self.leases.reader_copied(lease_ids, pages)
+
     def onboards_in_flight(self) -> int:
         with self._in_flight_lock:
             return len(self._in_flight)

@@ -15,7 +15,9 @@ Each test serves one base history, then each changed history (`VARIANTS`), and c
   tolerance, so an answer computed from the base's stale pages could not pass;
 - the KV counters (hstu_kv_lookups_total, hstu_kv_cached_tokens_total,
   hstu_kv_onboarded_pages_total) moved by exactly what the shared full pages allow: a stale page
-  reused would add cached tokens, a page lost would take some away.
+  reused would add cached tokens, a page lost would take some away; from the host tier, the
+  ensemble's hstu_kv_offloaded_pages_total moved by the full pages each request computed, never by
+  a page it onboarded (the store holds those already).
 
 On the device tier the base's pages are still in the pool; on the host tier
 (`test_changed_histories_from_the_host_tier`) every base was offloaded to the host store and
@@ -33,6 +35,7 @@ that ignores the tokens when it matches and copies fails all four.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,7 +46,7 @@ from compute import history_tokens
 from compute.reference import default_tolerance
 from deploy.client import RankingClient
 from deploy.launcher import Server
-from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, RankingRequest
+from deploy.runtime.schema import COMPUTE, ENSEMBLE, LOOKUP, MONOLITHIC, OFFLOAD, RankingRequest
 from kvlifecycle.control import ControlClient
 from kvlifecycle.manager import MIN_HOST_PAGES
 from tests.conftest import start_server
@@ -55,6 +58,7 @@ POOL_PAGES = 40  # pages of each model's device pool: the device tests' pages fi
 OWNER = {ENSEMBLE: LOOKUP, MONOLITHIC: MONOLITHIC}  # the `model` label of each model's KV series
 MODELS = [ENSEMBLE, MONOLITHIC]
 CANDIDATES = 8
+PUBLISH_WAIT_S = 1.5  # more than the models' metrics interval (METRICS_INTERVAL_S, deploy/runtime/triton_metrics.py)
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,12 @@ class Sender:
             c = _kv_counters(self.server, OWNER[model])
             return c if c["device_hit"] + c["host_hit"] + c["miss"] == self.sent[model] else None
 
-        return wait_for(read, 30, lambda: f"{model}'s lookups to count the {self.sent[model]} requests sent to it: "
-                                          f"{_kv_counters(self.server, OWNER[model])}")
+        what = lambda: f"{model}'s lookups to count the {self.sent[model]} requests sent to it: {_kv_counters(self.server, OWNER[model])}"  # noqa: E731
+        wait_for(read, 30, what)
+        # kv_offload counts a put once it is reaped (`wait_offloaded`) and publishes the count within
+        # a metrics interval: read again after one, or a late put would count in the next delta
+        time.sleep(PUBLISH_WAIT_S)
+        return wait_for(read, 30, what)
 
     def wait_counted(self, model: str, before: dict[str, float], expected: dict[str, float]) -> None:
         """The counters moved by exactly `expected` since `before` (waits for the metrics port)."""
@@ -187,7 +195,9 @@ def _kv_counters(server: Server, owner: str) -> dict[str, float]:
     # the store for kv_lookup_alloc: either model's count of onboarded pages moves.
     copiers = [owner, COMPUTE] if owner == LOOKUP else [owner]
     return {**lookups, "cached_tokens": metric(server, "hstu_kv_cached_tokens_total", model=owner),
-            "onboarded_pages": sum(metric(server, "hstu_kv_onboarded_pages_total", model=m) for m in copiers)}
+            "onboarded_pages": sum(metric(server, "hstu_kv_onboarded_pages_total", model=m) for m in copiers),
+            # hstu_monolithic offloads within its call and publishes no such series
+            **({"offloaded_pages": metric(server, "hstu_kv_offloaded_pages_total", model=OFFLOAD)} if owner == LOOKUP else {})}
 
 
 @pytest.fixture(scope="module")
@@ -310,23 +320,29 @@ def test_changed_histories_from_the_host_tier(model: str, sender: Sender, refere
         sender.wait_offloaded(model)
     before = sender.counters(model)
 
-    expected = {"miss": 0, "device_hit": 0, "host_hit": 0, "onboarded_pages": 0, "cached_tokens": 0}
+    expected = {"miss": 0, "device_hit": 0, "host_hit": 0, "onboarded_pages": 0, "cached_tokens": 0,
+                "offloaded_pages": 0}
     for b, (v, r) in zip(bases, variants):
         assert_reference(sender.score(model, r), reference, r, f"{model} from the host tier, {v.name}")
-        _count(expected, device=0, onboarded=v.shared, page_size=S)
+        _count(expected, device=0, onboarded=v.shared, full=len(r.item_ids) * 2 // S, page_size=S)
         # The base again: it finds on the device the pages its changed history onboarded and
         # committed, and must find none of that history's own pages under the base's keys.
         assert_reference(sender.score(model, b), reference, b, f"{model}, the base again after: {v.name}")
-        beyond = len(b.item_ids) * 2 // S - v.shared  # full pages of the base the device lacks now
-        _count(expected, device=v.shared, onboarded=beyond if beyond >= MIN_HOST_PAGES else 0, page_size=S)
+        full = len(b.item_ids) * 2 // S
+        beyond = full - v.shared  # full pages of the base the device lacks now
+        _count(expected, device=v.shared, onboarded=beyond if beyond >= MIN_HOST_PAGES else 0, full=full, page_size=S)
 
+    if model != ENSEMBLE:
+        del expected["offloaded_pages"]
     sender.wait_counted(model, before, expected)
 
 
-def _count(expected: dict[str, float], device: int, onboarded: int, page_size: int) -> None:
-    """Add one lookup that found `device` full pages on the device and onboarded `onboarded`
-    from the host store (a serving lookup asks the store only for `MIN_HOST_PAGES` or more)."""
+def _count(expected: dict[str, float], device: int, onboarded: int, full: int, page_size: int) -> None:
+    """Add one lookup of `full` full pages that found `device` of them on the device and onboarded
+    `onboarded` from the host store (a serving lookup asks the store only for `MIN_HOST_PAGES` or
+    more): the rest are computed and offloaded."""
     outcome = "host_hit" if onboarded else "device_hit" if device else "miss"
     expected[outcome] += 1
     expected["onboarded_pages"] += onboarded
     expected["cached_tokens"] += page_size * (device + onboarded)
+    expected["offloaded_pages"] += full - device - onboarded

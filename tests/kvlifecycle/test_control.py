@@ -287,6 +287,29 @@ def test_a_malformed_commit_datagram_is_dropped_and_counted():
             assert client.ping()  # the control thread goes on
 
 
+def test_a_readers_report_is_applied_in_order_and_a_malformed_one_is_counted():
+    """hstu_compute's report of the pages it copied shares the commit inbox: applied in the
+    order sent (before the commit kv_offload sends after it); a malformed one is dropped."""
+    import socket
+    from kvlifecycle.commit_channel import CommitSender, decode_read, encode_read
+    assert decode_read(encode_read([3, 2**40], [5, 0])) == ([3, 2**40], [5, 0])
+    with pytest.raises(ValueError, match="read datagram"):
+        decode_read(encode_read([3], [5])[:-1])
+    with kv_owner(SPEC) as owner:
+        applied = []
+        owner.server.commits.reader_copied = lambda ids, pages: applied.append((ids, pages))
+        sender = CommitSender(owner.endpoint, reply_endpoint="")
+        assert sender.report_read([7, 8], [2, 1]) and sender.report_read([9], [4])
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.sendto(encode_read([1], [1])[:-3], owner.server.commits.path)
+        sock.close()
+        sender.close()
+        wait_for(lambda: owner.server.commits.counters["read_datagrams"] == 2
+                 and owner.server.commits.counters["commit_datagrams_bad"] == 1, timeout_s=5,
+                 what="both reports applied and the malformed one counted")
+        assert applied == [([7, 8], [2, 1]), ([9], [4])]
+
+
 def test_a_stop_waits_briefly_for_replies_an_owner_that_stopped_never_sends(tmp_path):
     """Announced commits whose owner stopped before replying (its inbox took the datagram and
     never answered) hold the worker's stop for REPLY_WAIT_ON_STOP_S, not its flush timeout."""

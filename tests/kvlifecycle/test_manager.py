@@ -193,6 +193,27 @@ def test_offload_pins_until_done_and_only_new_pages(smgr, store):
     assert [it.prefix_len for it in again] == [12]  # pages already offloaded are not offloaded again
 
 
+@pytest.mark.parametrize("reported", [None, 0, 2, 3])
+def test_a_readers_onboard_pages_it_reported_copied_are_not_offloaded_again(tiny_spec, store, clock, reported):
+    """A host hit handed to the reader (hstu_compute copies from the store's shared slab): the
+    onboard pages it reports copied are in the store, so the commit offloads only the others;
+    unreported, it offloads them all (the store skips the keys it holds)."""
+    tokens = list(range(14))  # 3 full pages and a partial one
+    offloader = Offloader(store, S, lambda ids, ok: 0)
+    first = KVCacheManager(tiny_spec, "ns", store, clock=clock)
+    _, items = serve(first, 1, tokens)
+    offloader.launch("ns", tokens, items)
+    assert offloader.reap() == 1
+    store.slab = object()  # a store whose DRAM tier is shared (the reader's copy is not run here)
+    m = KVCacheManager(tiny_spec, "ns", store, clock=clock, onboard_by_reader=True)  # another pool: a host hit
+    [lease] = m.onboard_start_many([m.allocate(2, tokens, m.lookup(2, tokens))])
+    assert lease.onboard_by_reader and lease.num_onboard_pages == 3 and len(m.reader_onboard_keys([lease.lease_id])[0]) == 3
+    if reported is not None:
+        assert m.reader_copied([lease.lease_id, 999], [reported, 1]) == 1  # an unknown lease ignores it
+    offloaded = [it.prefix_len // S - 1 for it in m.commit(lease.lease_id)]  # page positions
+    assert offloaded == list(range(reported or 0, 3))
+
+
 def test_offload_pin_expires_when_offloader_dies(smgr, clock):
     _, items = serve(smgr, 1, list(range(8)))
     clock.now = 20.0

@@ -13,7 +13,9 @@ sit in its shared slab (`locate`: one round trip for the batch, rows pinned), qu
 into the pool (`OnboardReader.start`), and computes those requests with the rest of the batch: the
 forward's stream waits for the copy on the GPU, not the host. Once the forward has run, a request
 whose slab rows the store reused meanwhile is computed again without them (`OnboardReader.finish`);
-a page the store no longer holds is computed in the first place.
+a page the store no longer holds is computed in the first place. Before it answers, `execute`
+tells the owner how many pages of each lease it copied (one datagram for the batch,
+`CommitSender.report_read`), so that their commit does not offload them back to the store.
 
 Onboarding by the store (a store whose DRAM tier is not shared, or HSTU_HOST_HIT_COPY=store):
 kv_lookup_alloc answers a request with pages beyond its device prefix before the
@@ -67,6 +69,7 @@ from deploy.runtime.onboard_reader import OnboardReader, QueuedOnboard
 from deploy.runtime.settings import ServingSettings
 from deploy.runtime.triton_io import Reply, error_response, input_tensor, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
+from kvlifecycle.commit_channel import CommitSender
 from kvlifecycle.control import ControlClient, OnboardOutcome
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
@@ -106,6 +109,8 @@ class TritonPythonModel:
         self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
                                      pin_s=self.settings.timeouts.onboard_wait_s)
                        if self.settings.store == "embedded" else None)
+        # tells the owner which onboard pages the reader copied (they are in the store: not offloaded again)
+        self.read_reports = CommitSender(self.settings.control_endpoint, reply_endpoint="") if self.reader else None
         if self.reader is not None:  # map the store's slab now, not at the first host hit
             threading.Thread(target=self.reader.warm_up, name="hstu-compute-slab-warm-up", daemon=True,
                              args=(self.settings.pool_handle_path.exists, self.device.type == "cuda")).start()
@@ -136,6 +141,7 @@ class TritonPythonModel:
             if reading:  # copied from the store's slab, computed with the batch
                 self._read_onboards(reading)
             self._compute(ready + reading)  # while the store's onboards are settled
+            self._report_read(reading)  # before the answers: kv_offload commits on them
             if settled is not None:
                 self._compute(settled.result())
         except Exception as e:  # a bug: whatever is unanswered fails, not the instance
@@ -151,6 +157,7 @@ class TritonPythonModel:
         self._settler.shutdown()
         if self.reader is not None:
             self.reader.close()
+            self.read_reports.close()
         self.metrics.close()
         self.control.close()
         if self.pool is not None:
@@ -214,11 +221,18 @@ class TritonPythonModel:
             return True
         queued, i = p.read
         p.read = None
-        intact = self.reader.finish(queued)[i]
+        intact = p.copied_pages = self.reader.finish(queued)[i]
         if intact == queued.pages[i]:
             return True
         p.plan = p.unread_plan.after_onboard(intact * self.page_size)
         return False
+
+    def _report_read(self, items: list["ComputeRequest"]) -> None:
+        """Tell the owner how many leading onboard pages of each lease of `items` were copied from
+        the store (unsent, the commit offers them to the store again, which skips them)."""
+        copied = [(p.plan.lease_id, p.copied_pages) for p in items if p.copied_pages]
+        if copied and not self.read_reports.report_read(*zip(*copied)):
+            logger.debug("hstu_compute: the owner's inbox did not take the report of %d leases", len(copied))
 
     def _model_dir(self, version_dir: Path) -> Path:
         """The version folder if it holds a model, else HSTU_MODEL_DIR (`compute_model_dir`). A version
@@ -329,3 +343,4 @@ class ComputeRequest(Reply):
         # a host hit read from the store's slab: its plan before that, and (the batch's queued copy, its index)
         self.unread_plan: ComputePlan | None = None
         self.read: tuple[QueuedOnboard, int] | None = None
+        self.copied_pages = 0  # of them, the leading onboard pages the copy got right
