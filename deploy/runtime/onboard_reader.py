@@ -3,22 +3,26 @@
 kv_lookup_alloc hands a host hit's onboard pages to the process that reads them: the plan names
 their keys (`ComputePlan.onboard_keys`). For a whole batch, `OnboardReader.start`:
 
-1. asks the store where those pages sit in its shared slab (`HostStoreClient.locate`: one round
-   trip; the store pins the rows and answers their versions);
+1. finds where those pages sit in the store's shared slab, in the slab's own index, without
+   asking the store (`SharedSlab.find`: the rows and their versions); only a request whose pages
+   the index does not all show (pages only on disk after a restart, or before the slab is mapped)
+   asks the store (`HostStoreClient.locate`: one round trip for those; the store pins the rows,
+   reads disk-only pages into DRAM and answers the rows and their versions);
 2. queues the copy of the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU
    one host-to-device copy per run of slab rows on the copier's stream) and returns: the stream
    that runs the forward waits for the copy on the GPU, so the host launches the batch's forward
    meanwhile;
 
 and once that forward has run, `OnboardReader.finish` keeps, per request, the leading pages whose
-slab row still has the version the store answered (`SharedSlab.unchanged`): a row the store
+slab row still has the version it was found at (`SharedSlab.unchanged`): a row the store
 reused meanwhile is never taken as the page; hstu_compute computes such a request again.
 
 A request's pages that were not copied (the store no longer held them, it did not answer, or the
 copy failed) are computed with its new tokens, so a failed onboard costs that request a
-recompute and nothing else; a row reused before `finish` (only once its pin expired: the
-forward outlasted `pin_s`) costs it the forward it joined as well. No control-plane round trip, no poll, and no host-side wait for the
-copy before the forward is launched.
+recompute and nothing else; a row reused before `finish` (the store evicted it during the copy,
+which its second chance for rows just read makes rare) costs it the forward it joined as well. In
+the common case no round trip at all, no poll, and no host-side wait for the copy before the
+forward is launched.
 
 `warm_up` maps the slab before the first host hit, on a thread of its own: mapping it and
 registering its GBs with CUDA took about a second on an H100, which the first host hit after a
@@ -50,7 +54,7 @@ __all__ = ["OnboardReader", "QueuedOnboard"]
 class OnboardReader:
     """See the module docstring. One per hstu_compute instance, used by its `execute` thread."""
 
-    STATS_KEYS = ("onboarded_pages", "onboard_failed_pages")
+    STATS_KEYS = ("onboarded_pages", "onboard_failed_pages", "onboard_locates")
 
     def __init__(self, store: HostStoreClient, pin_s: float) -> None:
         self.store = store
@@ -71,11 +75,10 @@ class OnboardReader:
         wanted = [keys_from_words(plan.onboard_keys.numpy()) for plan in plans]
         queued = QueuedOnboard(pages=[0] * len(plans), wanted=sum(len(keys) for keys in wanted))
         try:
-            located = self.store.locate(wanted, self.pin_s)
-            slab = self._map(located.slab, pin=pool.tensor.is_cuda) if located is not None else None
+            slab, located = self._find(wanted, pin=pool.tensor.is_cuda)
             if slab is not None:
                 pages = []
-                for plan, keys, found, found_versions in zip(plans, wanted, located.rows, located.versions):
+                for plan, keys, (found, found_versions) in zip(plans, wanted, located):
                     n = min(len(found), len(keys))
                     first = (plan.cached_len - plan.onboard_len) // page_size  # the first onboard page
                     queued.rows.append(np.asarray(found[:n], dtype=np.int64))
@@ -139,6 +142,27 @@ class OnboardReader:
         self.store.close()
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _find(self, wanted: list[list[bytes]], pin: bool) -> tuple[SharedSlab | None, list[tuple[Any, Any]]]:
+        """The slab, and per request the (rows, versions) of its leading pages there: from the
+        slab's index; from the store (`locate`, one round trip) for the requests whose pages the
+        index does not all show. (None, []) when neither answers."""
+        slab = self._slab
+        found = slab.find(wanted) if slab is not None and slab.current() else None
+        short = [i for i, keys in enumerate(wanted) if found is None or len(found[i][0]) < len(keys)]
+        if not short:
+            return slab, found
+        self._counters["onboard_locates"] += 1
+        located = self.store.locate([wanted[i] for i in short], self.pin_s)
+        mapped = self._map(located.slab, pin) if located is not None else None
+        if mapped is None:  # the store did not answer: what the index showed, if anything
+            return (slab, found) if found is not None else (None, [])
+        if mapped is not slab:  # the first map, or a restarted store's slab: the index's rows were of another
+            nothing = np.zeros(0, dtype=np.int64)
+            found = [(nothing, nothing)] * len(wanted)
+        for i, rows, versions in zip(short, located.rows, located.versions):
+            found[i] = (rows, versions)
+        return mapped, found
 
     def _map(self, handle: dict[str, Any], pin: bool) -> SharedSlab | None:
         """The slab ``handle`` names, mapped once (a restarted store names a new one)."""

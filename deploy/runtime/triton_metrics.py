@@ -15,6 +15,8 @@ owners publish `OWNER_PUBLISHED`, kv_offload `OFFLOAD_PUBLISHED`):
   lookups_device_hit / lookups_host_hit / lookups_miss -> hstu_kv_lookups_total{outcome}
   cached_tokens_served -> hstu_kv_cached_tokens_total      tokens served from the cache
   onboarded_pages      -> hstu_kv_onboarded_pages_total    host -> device
+  onboard_locates      -> hstu_kv_onboard_locates_total    hstu_compute's round trips to find host hits'
+                       pages the store's shared index did not show (disk-only pages, a restart)
   pages_free / pages_in_use / pages_pinned / pages_leased -> hstu_kv_pages{state}
   offload_queue_depth  -> hstu_kv_offload_queue_depth      puts submitted, not yet reaped
   offloaded_pages / offloaded_bytes -> hstu_kv_offloaded_{pages,bytes}_total
@@ -62,6 +64,8 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "onboarded_pages": ("hstu_kv_onboarded_pages_total", "counter", "Pages copied host store -> device pool", {}),
     "onboard_failed_pages": ("hstu_kv_onboard_failed_pages_total", "counter",
                              "Host-hit pages recomputed: the store no longer held them, or their copy failed", {}),
+    "onboard_locates": ("hstu_kv_onboard_locates_total", "counter",
+                        "Round trips to the host store to find host hits' pages its shared index did not show", {}),
     "pages_free": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "free"}),
     "pages_in_use": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "in_use"}),
     "pages_pinned": ("hstu_kv_pages", "gauge", "Device pool pages by state", {"state": "pinned"}),

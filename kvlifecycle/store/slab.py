@@ -1,21 +1,36 @@
 """The local store's DRAM tier in shared memory, mapped by the processes that read its pages.
 
 The store process creates it (``SharedSlab.create``): one anonymous memory file (``memfd``)
-holding the page rows ``[capacity_pages, L, 2, S, H, D]`` and, after them, one int64 version per
-row. A process that onboards host hits (hstu_compute) maps the same memory through
-``/proc/<store pid>/fd/<fd>`` (``SharedSlab.attach``), asks the store where a request's pages are
-(``locate``: one round trip for a batch) and copies those rows into its page pool itself: the
-store copies nothing and nobody polls. A memfd is bounded by the host's memory, not by the size of
-/dev/shm (64 MiB in a default container), and it is freed when the last process that maps it
-exits: a store killed with SIGKILL leaves nothing behind.
+holding the page rows ``[capacity_pages, L, 2, S, H, D]`` and, after them, per row an int64
+version, the 16-byte key of the page it holds and an int64 "last read" tick, then the index: an
+open-addressing table (linear probing) of ``row + 1`` per slot, 0 for empty, homed by the key's
+first 8 bytes. A process that onboards host hits (hstu_compute) maps the same memory through
+``/proc/<store pid>/fd/<fd>`` (``SharedSlab.attach``), finds a request's pages in that index
+itself (``find``: no round trip; ``locate`` asks the store, for what the index does not show)
+and copies those rows into its page pool itself: the store copies nothing and nobody polls. A
+memfd is bounded by the host's memory, not by the size of /dev/shm (64 MiB in a default
+container), and it is freed when the last process that maps it exits: a store killed with
+SIGKILL leaves nothing behind.
 
-Why a row the reader copies holds the page ``locate`` named:
+The store is the one writer, under its index lock; readers take no lock. Why a row a reader
+copies holds the page it wanted:
 
-- ``locate`` pins each row it names for ``pin_s``: the store evicts no pinned row;
-- before the store writes another page into a row it bumps the row's version (``bump``), and
-  ``locate`` answers each row's version; the reader compares them after its copy ended
-  (``unchanged``) and recomputes a page whose version moved. So even a reader that copies after
-  its pin expired never reads a page other than the one named.
+- the store writes a page's bytes into a row, waits for the copy to end, and only then writes the
+  row's key and indexes it (``publish``); before it writes another page into a row it first
+  clears the row's key and un-indexes it (``withdraw``), then bumps the row's version (``bump``);
+- ``find`` reads a row's version first, then checks that the row's key is the one wanted; the
+  reader compares the version again after its copy ended (``unchanged``) and recomputes a page
+  whose version moved. So a row read mid-write never passes: its key was cleared before the
+  version it was read at, or its version moved before the check;
+- ``locate`` (the store's answer, kept for pages the index does not show: pages only on disk
+  after a restart) also pins each row it names for ``pin_s``, so the store evicts none of them
+  meanwhile; ``find`` pins nothing: it stamps each row it found as read (``last read``), and the
+  store's eviction passes over a row read since it last looked (a second chance), so a page in
+  use is rarely the one evicted, and when it is, the version check says so.
+
+A reader may miss a page the store holds (a probe that crossed a slot the store was moving);
+that costs a ``locate`` or a recompute, never a wrong page. The order of the stores above is
+what readers rely on: x86-64 keeps stores, and loads, in program order.
 
 On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), so the
 store's offload copies and the reader's onboard copies run at pinned speed. Where no memfd can be
@@ -27,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -36,16 +52,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SharedSlab", "SlabUnavailable"]
 
-_VERSIONS_ALIGN = 64  # bytes: the versions start on a cache line after the rows
-
 
 class SlabUnavailable(OSError):
     """No shared memory file could be made; the store keeps a private DRAM tier instead."""
 
 
 class SharedSlab:
-    """Page rows and their versions in one shared file. ``rows`` and ``versions`` are views of
-    the mapping; ``handle()`` is what a reader needs to ``attach``."""
+    """Page rows, their versions, keys and index in one shared file. ``rows`` and ``versions``
+    are views of the mapping; ``handle()`` is what a reader needs to ``attach``."""
 
     def __init__(self, path: str, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype,
                  pin: bool, fd: int | None = None) -> None:
@@ -54,20 +68,27 @@ class SharedSlab:
         self.page_shape = tuple(page_shape)
         self.dtype = dtype
         self._fd = fd  # the creator's memfd; readers map through the path
-        rows_bytes, total = _layout(capacity_pages, page_shape, dtype)
-        flat = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self.rows = flat[:rows_bytes].view(dtype).view(capacity_pages, *page_shape)
-        self.versions = flat[_align(rows_bytes):_align(rows_bytes) + 8 * capacity_pages].view(torch.int64)
-        self._versions = self.versions.numpy()  # numpy: reads and bumps of a few rows cost microseconds
+        layout = _Layout(capacity_pages, page_shape, dtype)
+        flat = torch.from_file(path, shared=True, size=layout.total, dtype=torch.uint8)
+        self.rows = flat[:layout.rows_bytes].view(dtype).view(capacity_pages, *page_shape)
+        self.versions = layout.part(flat, "versions").view(torch.int64)
+        # numpy views: reads and writes of a few rows cost microseconds
+        self._versions = self.versions.numpy()
+        self._keys = layout.part(flat, "keys").numpy().reshape(capacity_pages, KEY_BYTES)
+        self._key_words = self._keys.view("<u8")  # [capacity_pages, 2]: compared a word at a time
+        self._read_ticks = layout.part(flat, "read_ticks").numpy().view(np.int64)
+        self._table = layout.part(flat, "table").numpy().view(np.int32)
+        self._mask = layout.slots - 1
         self._registered = _cuda_register(flat) if pin else None
         self._flat = flat
+        self._inode = os.stat(path).st_ino
 
     # -- public API ---------------------------------------------------------------------
 
     @classmethod
     def create(cls, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> "SharedSlab":
         """A zeroed slab (its memory committed now); ``SlabUnavailable`` when no memfd can be made."""
-        _rows_bytes, total = _layout(capacity_pages, page_shape, dtype)
+        total = _Layout(capacity_pages, page_shape, dtype).total
         try:
             fd = os.memfd_create("hstu-kv-dram-tier", 0)
         except (AttributeError, OSError) as e:  # not Linux, or the kernel refuses
@@ -92,16 +113,87 @@ class SharedSlab:
         return {"path": self.path, "capacity_pages": self.capacity_pages, "page_shape": list(self.page_shape),
                 "dtype": str(self.dtype).removeprefix("torch.")}
 
+    # The store's side (its index lock held): publish after a page's bytes are in place; withdraw,
+    # then bump, before other bytes go into a row.
+
+    def publish(self, keys: list[bytes], rows: list[int]) -> None:
+        """``rows`` hold the pages of ``keys`` (their bytes in place): readers may find them now."""
+        for key, row in zip(keys, rows):
+            self._keys[row] = np.frombuffer(key, dtype=np.uint8)  # the key before the index points here
+            slot = self._home(key)
+            while self._table[slot]:
+                slot = (slot + 1) & self._mask
+            self._table[slot] = row + 1
+
+    def withdraw(self, key: bytes, row: int) -> None:
+        """``row`` no longer holds ``key``: out of the index, its key cleared."""
+        slot = self._home(key)
+        while self._table[slot] and self._table[slot] != row + 1:
+            slot = (slot + 1) & self._mask
+        if self._table[slot]:
+            self._delete_slot(slot)
+        self._keys[row] = 0
+
     def bump(self, rows: list[int]) -> None:
-        """Before new bytes go into ``rows`` (the store, under its index lock)."""
+        """Before new bytes go into ``rows`` (withdrawn first, if they held a page)."""
         if rows:
             self._versions[rows] += 1
+
+    def read_since(self, row: int, tick: int) -> int | None:
+        """The row's last read tick if a reader stamped it after ``tick`` (``find``), else None."""
+        last = int(self._read_ticks[row])
+        return last if last > tick else None
+
+    # The readers' side.
+
+    def find(self, requests: list[list[bytes]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each request's keys, the rows of its leading pages the index shows, and their
+        versions (read before the rows' keys were checked): ``locate``'s answer, without a round
+        trip and without a pin. The rows found are stamped as read (the store's eviction passes
+        over them once)."""
+        wanted = [k for keys in requests for k in keys]
+        keys = np.frombuffer(b"".join(wanted), dtype="<u8").reshape(-1, 2)  # a key as two words
+        rows = np.full(len(wanted), -1, dtype=np.int64)
+        slots = keys[:, 0].astype(np.int64) & self._mask
+        probing = np.arange(len(wanted))
+        for _ in range(_MAX_PROBES):  # one step of every key's probe at a time, over the batch
+            if probing.size == 0:
+                break
+            candidate = self._table[slots[probing]].astype(np.int64) - 1  # -1: an empty slot
+            held = self._key_words[candidate]  # (an empty slot reads the last row: not taken)
+            hit = (candidate >= 0) & (held[:, 0] == keys[probing, 0]) & (held[:, 1] == keys[probing, 1])
+            rows[probing[hit]] = candidate[hit]
+            probing = probing[(candidate >= 0) & ~hit]  # past another key's slot: the next one
+            slots[probing] = (slots[probing] + 1) & self._mask
+        found = np.flatnonzero(rows >= 0)
+        versions = np.zeros(len(wanted), dtype=np.int64)
+        versions[found] = self._versions[rows[found]]
+        # the keys again, after the versions: a row withdrawn before that version no longer has it
+        held = self._key_words[rows[found]]
+        gone = found[(held[:, 0] != keys[found, 0]) | (held[:, 1] != keys[found, 1])]
+        rows[gone] = -1
+        self._read_ticks[rows[rows >= 0]] = time.monotonic_ns()
+        out, start = [], 0
+        for request in requests:
+            got = rows[start:start + len(request)]
+            n = int(np.argmin(got)) if got.size and got.min() < 0 else got.size  # the leading pages found
+            out.append((got[:n].copy(), versions[start:start + n].copy()))
+            start += len(request)
+        return out
+
+    def current(self) -> bool:
+        """Whether the store that made this slab still serves it: a stopped store's memory stays
+        mapped (its pages are still right), but its successor indexes its own, so a reader asks it."""
+        try:
+            return os.stat(self.path).st_ino == self._inode
+        except OSError:
+            return False
 
     def versions_of(self, rows: np.ndarray) -> np.ndarray:
         return self._versions[rows].copy()
 
     def unchanged(self, rows: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """bool per row: still the version ``locate`` answered (read after the copy ended)."""
+        """bool per row: still the version ``find`` or ``locate`` answered (read after the copy ended)."""
         return self._versions[rows] == versions
 
     def close(self) -> None:
@@ -112,15 +204,54 @@ class SharedSlab:
             os.close(self._fd)
             self._fd = None
 
+    # -- helpers ------------------------------------------------------------------------
+
+    def _home(self, key: bytes) -> int:
+        return int.from_bytes(key[:8], "little") & self._mask
+
+    def _delete_slot(self, hole: int) -> None:
+        """Empty ``hole`` and move back each later entry of its run whose home slot allows it
+        (deletion without tombstones: every entry stays reachable from its home)."""
+        slot = hole
+        while True:
+            slot = (slot + 1) & self._mask
+            entry = int(self._table[slot])
+            if entry == 0:
+                break
+            home = self._home(self._keys[entry - 1].tobytes())
+            if (slot - home) & self._mask >= (slot - hole) & self._mask:  # home at or before the hole
+                self._table[hole] = entry
+                self._table[slot] = 0
+                hole = slot
+        self._table[hole] = 0
+
+
+KEY_BYTES = 16  # a page key (kvlifecycle.hashing: 16 bytes of BLAKE2b, uniformly spread)
+_MAX_PROBES = 64  # a longer run is a miss (at a load of at most one half, runs stay short)
+_ALIGN = 64  # bytes: each part starts on a cache line
+
+
+class _Layout:
+    """Byte offsets of the file's parts: rows, then versions, keys, read ticks and the index."""
+
+    def __init__(self, capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.rows_bytes = capacity_pages * int(np.prod(page_shape)) * torch.empty((), dtype=dtype).element_size()
+        self.slots = 1 << max(3, (2 * capacity_pages - 1).bit_length())  # at least twice the rows
+        sizes = {"versions": 8 * capacity_pages, "keys": KEY_BYTES * capacity_pages,
+                 "read_ticks": 8 * capacity_pages, "table": 4 * self.slots}
+        self._offsets, offset = {}, _align(self.rows_bytes)
+        for name, size in sizes.items():
+            self._offsets[name] = (offset, size)
+            offset = _align(offset + size)
+        self.total = offset
+
+    def part(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        offset, size = self._offsets[name]
+        return flat[offset:offset + size]
+
 
 def _align(n: int) -> int:
-    return -(-n // _VERSIONS_ALIGN) * _VERSIONS_ALIGN
-
-
-def _layout(capacity_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the rows, bytes of the file)."""
-    rows_bytes = capacity_pages * int(np.prod(page_shape)) * torch.empty((), dtype=dtype).element_size()
-    return rows_bytes, _align(rows_bytes) + 8 * capacity_pages
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def _cuda_register(flat: torch.Tensor) -> int | None:

@@ -3,8 +3,10 @@
 DramTier: one preallocated slab of page rows ``[capacity_pages, L, 2, S, H, D]`` (pinned on a
 GPU host; in shared memory when asked, ``slab.SharedSlab``, so readers copy rows themselves) and
 an LRU index key -> row. ``reserve`` hands out rows, evicting least recently used pages that are
-not pinned (``pin``: rows a reader was told to copy); ``insert`` publishes them. The caller holds
-the store's index lock around every call.
+not pinned (``pin``: rows a reader was told to copy); ``insert`` publishes them (in a shared
+slab's index too, where readers find them without asking). A page readers stamped as read since
+the tier last looked (``SharedSlab.find``) gets a second chance: it moves to the recent end instead
+of being evicted. The caller holds the store's index lock around every call.
 
 DiskTier: one file per page under ``<dir>/<geometry>/<key[:1]>/<key>.kvp``. ``write_behind``
 queues pages for a background thread that writes each to a temporary file and renames it into
@@ -80,6 +82,7 @@ class DramTier:
         self._rows: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self._free: list[int] = list(range(self.capacity_pages - 1, -1, -1))  # pop() -> row 0 first
         self._pinned: dict[int, float] = {}  # row -> CLOCK_MONOTONIC until which it is not evicted
+        self._read_seen = [0] * self.capacity_pages  # row -> the readers' last read tick eviction saw
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -125,6 +128,8 @@ class DramTier:
         for key, row in zip(keys, rows):
             assert key not in self._rows, "DramTier.insert: key already held; caller must skip held keys"
             self._rows[key] = row
+        if self.shared is not None:
+            self.shared.publish(keys, rows)
 
     def release(self, rows: list[int]) -> None:
         """Return reserved rows that were not inserted."""
@@ -136,10 +141,18 @@ class DramTier:
 
     def _evict_one(self, keep: set[bytes]) -> bool:
         for key, row in self._rows.items():
-            if key not in keep and row not in self._pinned:
-                self._free.append(self._rows.pop(key))
-                self.evictions += 1
+            if key in keep or row in self._pinned:
+                continue
+            read = self.shared.read_since(row, self._read_seen[row]) if self.shared is not None else None
+            if read is not None:  # a reader found it since: a second chance (once per read)
+                self._read_seen[row] = read
+                self._rows.move_to_end(key)
                 return True
+            self._free.append(self._rows.pop(key))
+            if self.shared is not None:
+                self.shared.withdraw(key, row)  # before reserve bumps its version
+            self.evictions += 1
+            return True
         return False
 
 

@@ -1,10 +1,14 @@
-"""The local store's DRAM tier in shared memory, read by the process that onboards (``locate``):
-a real store process, a real CPU pool, the reader's own copy.
+"""The local store's DRAM tier in shared memory, read by the process that onboards (``locate``,
+and the slab's own index): a real store process, a real CPU pool, the reader's own copy.
 
 - ``locate`` answers the rows of each request's held prefix; copying them gives the bytes that
   were put, and every row still has the version the store answered;
 - located rows are pinned: a put that needs room cannot evict them while the pin lasts;
 - once the pin expired and the rows were reused, the versions tell the reader so;
+- the slab's index (``SharedSlab.find``, no round trip) shows exactly the pages the tier holds,
+  through random puts and evictions with long, wrapping probe runs; a page a reader found gets
+  one second chance before eviction; a reader racing the store's reuse of rows never keeps a
+  page other than the one it found;
 - hstu_compute's reader (``OnboardReader``) queues a batch's copy and checks it after the forward:
   rows reused in between are reported not onboarded (computed), intact ones onboarded;
 - on CUDA, a copy queued without waiting is read by the next work on the caller's stream;
@@ -85,6 +89,116 @@ def test_located_rows_copy_what_was_put_pin_against_eviction_and_show_reuse(pool
         harness.close()
 
 
+PAGE = (1, 2, 2, 1, 2)  # a tiny page [L, 2, S, H, D]: the index does not look at the bytes
+
+
+def _shared_tier(pages: int) -> DramTier:
+    tier = DramTier(pages * 2 * int(np.prod(PAGE)), PAGE, torch.float16, pin_memory=False, shared=True)
+    assert tier.shared is not None and tier.capacity_pages == pages
+    return tier
+
+
+def _colliding_key(rng: np.random.Generator, homes: list[int]) -> bytes:
+    """A key whose first 8 bytes (its home slot) are one of ``homes``: long probe runs, wrapping."""
+    return int(rng.choice(homes)).to_bytes(8, "little") + rng.bytes(8)
+
+
+def test_the_slabs_index_shows_exactly_the_pages_the_tier_holds() -> None:
+    """Random puts and evictions through the DRAM tier, most keys homed on a few slots around the
+    table's end (runs that wrap, deletions that move entries back): after every step, ``find``
+    answers each key's row exactly as the tier holds it, and nothing for a key it dropped."""
+    tier = _shared_tier(16)
+    slots = tier.shared._mask + 1  # 32
+    homes = [slots - 2, slots - 1, 0, 1, 5]
+    rng = np.random.default_rng(7)
+    seen: list[bytes] = []
+    try:
+        for step in range(400):
+            keys = [_colliding_key(rng, homes) for _ in range(int(rng.integers(1, 5)))]
+            rows = tier.reserve(len(keys), keep=set())
+            tier.insert(keys[:len(rows)], rows)
+            seen += keys
+            held = {k: tier.row(k) for k in seen if tier.holds(k)}
+            answers = tier.shared.find([[k] for k in seen])
+            for key, (rows_found, versions) in zip(seen, answers):
+                if key in held:
+                    assert rows_found.tolist() == [held[key]], f"step {step}: a held page's row"
+                    assert versions.tolist() == tier.shared.versions_of(rows_found).tolist()
+                else:
+                    assert rows_found.size == 0, f"step {step}: found a page the tier evicted"
+        assert tier.evictions > 300
+        # A request's answer is its leading pages only.
+        some = list(held)[:3]
+        assert [r.size for r, _ in tier.shared.find([some, some[:1] + [b"\x00" * 16] + some[1:]])] == [3, 1]
+    finally:
+        tier.close()
+
+
+def test_a_page_a_reader_found_gets_a_second_chance_before_eviction() -> None:
+    tier = _shared_tier(4)
+    keys = [bytes([i]) * 16 for i in range(1, 6)]
+    try:
+        tier.insert(keys[:4], tier.reserve(4, keep=set()))  # full; the first key is the least recent
+        [(rows, _)] = tier.shared.find([keys[:1]])  # a reader copies the least recent page
+        tier.insert(keys[4:], tier.reserve(1, keep=set()))
+        assert tier.holds(keys[0]) and not tier.holds(keys[1]), "the page just read was evicted, not the next"
+        tier.insert([bytes([9]) * 16], tier.reserve(1, keep=set()))
+        tier.insert([bytes([10]) * 16], tier.reserve(1, keep=set()))
+        tier.insert([bytes([11]) * 16], tier.reserve(1, keep=set()))
+        assert not tier.holds(keys[0]), "one read buys one second chance, not a pin"
+        assert tier.shared.find([keys[:1]])[0][0].size == 0
+    finally:
+        tier.close()
+
+
+def test_a_reader_racing_the_store_never_accepts_a_page_other_than_the_one_it_found() -> None:
+    """The store reuses rows as fast as it can (withdraw, bump, write a page whose every value
+    names its key, publish) while a reader thread finds pages, copies them and keeps those whose
+    version did not move (``unchanged``), with thread switches every few microseconds: every page
+    the reader kept holds its own key's values, never a half-written or reused row's."""
+    import sys
+    import threading
+    page = (1, 2, 32, 4, 16)  # 4,096 values: a write takes long enough to be read half done
+    tier = DramTier(8 * 2 * int(np.prod(page)), page, torch.float16, pin_memory=False, shared=True)
+    slab = tier.shared
+    assert slab is not None
+    key_of = lambda i: (i % 5).to_bytes(8, "little") + i.to_bytes(8, "little")  # noqa: E731 (shared homes)
+    stop, kept, wrong, written = threading.Event(), [0], [], [0]
+
+    def read() -> None:
+        while not stop.is_set():
+            ids = list(range(max(0, written[0] - 12), written[0]))
+            answers = slab.find([[key_of(i)] for i in ids])
+            for i, (rows, versions) in zip(ids, answers):
+                if rows.size:
+                    copy = slab.rows.index_select(0, torch.from_numpy(rows))  # releases the GIL
+                    if slab.unchanged(rows, versions).all():
+                        kept[0] += 1
+                        if not bool((copy == float(i % 2000)).all()):
+                            wrong.append(i)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        i = 0
+        while time.monotonic() < deadline:
+            [row] = tier.reserve(1, keep=set())  # evicts (withdraws) the least recent, bumps
+            tier.slab[row] = float(i % 2000)
+            tier.insert([key_of(i)], [row])
+            i += 1
+            written[0] = i
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+        tier.close()
+    assert kept[0] > 1000, f"the reader kept only {kept[0]} pages: the race was not run"
+    assert not wrong, f"{len(wrong)} of {kept[0]} pages kept held another page's values (ids {wrong[:5]})"
+
+
 def _onboard_plan(history: np.ndarray, keys: list[bytes], page_row: list[int]) -> ComputePlan:
     """A host hit's plan as kv_lookup_alloc writes it: every full page onboarded by the reader."""
     cached = len(keys) * SPEC.page_size
@@ -109,14 +223,16 @@ def test_the_reader_checks_its_queued_copy_after_the_forward(pool: PagePool) -> 
             assert reader.finish(queued) == [4, 0] and reader.finish(queued) == [4, 0], "checked once, asked twice"
             assert torch.equal(pool.tensor[:, 10:14], put_a), "the copy landed in the lease's pages"
 
-            # The same copy, its rows reused before the check (the pin expired, a put took them).
+            # The same copy, its rows reused before the check (a put took them: nothing pins rows
+            # the reader found in the slab's index, and the second chance they got is spent).
             queued = reader.start(pool, [plan._replace(page_row=torch.tensor([20, 21, 22, 23]))])
             assert queued.pages == [4]
             time.sleep(0.6)
             fill_random(pool, list(range(24, 32)), seed=3)
             _put(store, c, list(range(24, 32)), harness.ns)
             assert reader.finish(queued) == [0], "rows the store reused before the check were taken as the pages"
-            assert reader.stats() == {"onboarded_pages": 4, "onboard_failed_pages": 4}
+            assert reader.stats() == {"onboarded_pages": 4, "onboard_failed_pages": 4, "onboard_locates": 1}, (
+                "only the first start, before the slab was mapped, asked the store")
         finally:
             reader.close()
     finally:
