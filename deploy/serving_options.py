@@ -31,7 +31,8 @@ HELP: dict[str, str] = {
     "lease_ttl_s": "seconds before a lease not committed returns its pages",
     "store_timeout_s": "seconds a host store call on the request path waits before failing open",
     "min_host_pages": ("the fewest pages past the device prefix worth onboarding from the host store; a "
-                       "request with fewer recomputes them (README: when a host hit pays)"),
+                       "request with fewer recomputes them; 0: by device, cuda 12, cpu 2, as measured for the "
+                       "shipped configs (README: when a host hit pays)"),
     "host_hit_copy": ("who copies a host hit's pages into the ensemble's pool: reader (hstu_compute, from the "
                       "embedded store's DRAM tier in shared memory) or store (the store process; always so for "
                       "flexkv and mooncake)"),

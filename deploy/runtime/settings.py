@@ -38,6 +38,13 @@ def default_run_dir(env: Mapping[str, str]) -> Path:
     return Path("/tmp") / f"hstu-serve-{os.getuid()}"
 
 
+# Below these many pages past its device prefix a request recomputes its history instead of
+# onboarding it. On an H100 both shipped configs' host hits lost to a miss at 8 pages (256 tokens)
+# and the large config's won from 16 (docs/benchmarks/2026-12-07-h100-crossover-and-large-sweep.md);
+# on the CPU a host hit paid from 8 pages on, and most at long histories.
+MIN_HOST_PAGES_BY_DEVICE = {"cpu": MIN_HOST_PAGES, "cuda": 12}
+
+
 @dataclass
 class ServingSettings:
     """What every model process needs to know about this deployment.
@@ -60,9 +67,9 @@ class ServingSettings:
     lease_ttl_s: float = LEASE_TTL_S  # a lease not committed in this time returns its pages
     store_timeout_s: float = TIMEOUTS.store_rpc_s  # store RPCs on the request path give up after this
     # The fewest pages past the device prefix worth onboarding from the host store; a request with
-    # fewer recomputes them. Where a host hit costs what a miss does (README, "When a host hit
-    # pays"), raise it to recompute histories up to that length.
-    min_host_pages: int = MIN_HOST_PAGES
+    # fewer recomputes them. 0: the device's default (MIN_HOST_PAGES_BY_DEVICE), where a host hit
+    # started to beat a miss (README, "When a host hit pays"); measure your model and set it.
+    min_host_pages: int = 0
     # Who copies a host hit's pages into the ensemble's pool: "reader" (hstu_compute, straight from
     # the embedded store's DRAM tier in shared memory, in the execute that computes the request)
     # or "store" (the store process, polled by kv_lookup_alloc's control thread). A store whose
@@ -92,8 +99,11 @@ class ServingSettings:
             raise ValueError(f"HSTU_CUDA_GRAPHS={self.cuda_graphs}: expected >= 0 graphs (0: none)")
         if self.host_hit_copy not in HOST_HIT_COPIERS:
             raise ValueError(f"HSTU_HOST_HIT_COPY={self.host_hit_copy!r}: expected one of {HOST_HIT_COPIERS}")
+        if self.min_host_pages == 0:
+            self.min_host_pages = MIN_HOST_PAGES_BY_DEVICE[self.device]
         if self.min_host_pages < 1:
-            raise ValueError(f"HSTU_MIN_HOST_PAGES={self.min_host_pages}: expected >= 1 page")
+            raise ValueError(f"HSTU_MIN_HOST_PAGES={self.min_host_pages}: expected >= 1 page (0: the device's "
+                             f"default, {MIN_HOST_PAGES_BY_DEVICE})")
         for name in ("lease_ttl_s", "store_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HSTU_{name.upper()}={getattr(self, name)}: expected > 0 seconds")

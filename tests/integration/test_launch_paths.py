@@ -229,7 +229,7 @@ def test_min_host_pages_reaches_the_cache_owner_and_a_bad_one_names_its_variable
     """--min-host-pages (HSTU_MIN_HOST_PAGES): below it the owner recomputes instead of onboarding."""
     from compute import HSTUConfig
     from deploy.runtime.cache_owner import open_kv_cache
-    from deploy.runtime.settings import ServingSettings
+    from deploy.runtime.settings import MIN_HOST_PAGES_BY_DEVICE, ServingSettings
 
     settings = ServingSettings.from_env({"XDG_RUNTIME_DIR": str(tmp_path), "HSTU_MIN_HOST_PAGES": "9",
                                          "HSTU_POOL_PAGES": "16"})
@@ -238,8 +238,12 @@ def test_min_host_pages_reaches_the_cache_owner_and_a_bad_one_names_its_variable
         assert cache.manager.min_host_pages == 9
     finally:
         cache.close()
-    with pytest.raises(ValueError, match="HSTU_MIN_HOST_PAGES=0"):
-        ServingSettings(min_host_pages=0)
+    with pytest.raises(ValueError, match="HSTU_MIN_HOST_PAGES=-1"):
+        ServingSettings(min_host_pages=-1)
+    # Unset (0), it is the device's measured default, and that number travels to every process.
+    for device, pages in MIN_HOST_PAGES_BY_DEVICE.items():
+        chosen = ServingSettings(device=device)
+        assert chosen.min_host_pages == pages and ServingSettings.from_env(chosen.to_env()).min_host_pages == pages
 
 
 def test_cuda_graphs_travels_in_the_environment_and_a_bad_one_names_its_variable(tmp_path: Path) -> None:
