@@ -149,6 +149,12 @@ class LocalBacking(Backing):
                 self.dram.release(rows)
             raise
         fresh_keys = [keys[i] for i in fresh]
+        # The disk tier's copy of the pages is taken while the rows are still reserved: once
+        # inserted, another thread's reserve (a locate reading disk pages back) may evict and reuse
+        # them, and a copy taken then wrote another page's bytes under these keys (seen in stress
+        # with a small DRAM tier: wrong scores, once those files were read back).
+        for_disk = (self.dram.slab.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
+                    if self.disk is not None and fresh else None)
         with self._lock:
             self.dram.insert(fresh_keys, rows)
             if self.key_filter is not None:
@@ -158,14 +164,22 @@ class LocalBacking(Backing):
                     self._counters["key_filter_rebuilds"] += 1
         self._counters["put_pages"] += len(fresh)
         self._counters["put_bytes"] += len(fresh) * self.dram.page_bytes
-        if self.disk is not None and fresh:
-            pages = self.dram.slab.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
-            self.disk.write_behind(fresh_keys, pages)
+        if for_disk is not None:
+            self.disk.write_behind(fresh_keys, for_disk)
         return Status.SUCCESS
 
     def get(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes]) -> Status:
         with self._lock:
             rows = [self.dram.row(key) for key in keys]
+            held = [row for row in rows if row is not None]
+            self.dram.hold(held)  # not evicted (and reused) by another thread's reserve while copied
+        try:
+            return self._get(copier, pool_pages, keys, rows)
+        finally:
+            with self._lock:
+                self.dram.unhold(held)
+
+    def _get(self, copier: PageCopier, pool_pages: np.ndarray, keys: list[bytes], rows: list[int | None]) -> Status:
         missing = [i for i, row in enumerate(rows) if row is None]
         loaded: list[torch.Tensor] = []
         for i in missing:

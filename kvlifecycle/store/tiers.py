@@ -83,6 +83,7 @@ class DramTier:
         self._free: list[int] = list(range(self.capacity_pages - 1, -1, -1))  # pop() -> row 0 first
         self._pinned: dict[int, float] = {}  # row -> CLOCK_MONOTONIC until which it is not evicted
         self._read_seen = [0] * self.capacity_pages  # row -> the readers' last read tick eviction saw
+        self._held: collections.Counter[int] = collections.Counter()  # rows the store's own copy reads now
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -122,6 +123,16 @@ class DramTier:
         for row in rows:
             self._pinned[row] = max(until, self._pinned.get(row, 0.0))
 
+    def hold(self, rows: list[int]) -> None:
+        """Keep ``rows`` from eviction until ``unhold``: the store's copy thread reads them."""
+        self._held.update(rows)
+
+    def unhold(self, rows: list[int]) -> None:
+        self._held.subtract(rows)
+        for row in rows:
+            if self._held[row] <= 0:
+                del self._held[row]
+
     def insert(self, keys: list[bytes], rows: list[int]) -> None:
         """Publish reserved ``rows`` as holding ``keys`` (most recently used)."""
         assert len(keys) == len(rows), f"DramTier.insert: {len(keys)} keys for {len(rows)} rows"
@@ -141,7 +152,7 @@ class DramTier:
 
     def _evict_one(self, keep: set[bytes]) -> bool:
         for key, row in self._rows.items():
-            if key in keep or row in self._pinned:
+            if key in keep or row in self._pinned or row in self._held:
                 continue
             read = self.shared.read_since(row, self._read_seen[row]) if self.shared is not None else None
             if read is not None:  # a reader found it since: a second chance (once per read)

@@ -40,3 +40,51 @@ def test_a_bounded_disk_tier_drops_the_least_recently_used_pages(tmp_path: Path)
     assert len(restarted) == 3 and restarted._bytes == 3 * file_bytes
     assert torch.equal(restarted.read(keys[4])[None], _page(4.0))
     assert restarted.close(timeout_s=10)
+
+
+def test_a_put_copies_its_pages_for_disk_before_another_thread_can_reuse_their_rows(tmp_path: Path) -> None:
+    """A put's pages become visible in DRAM at its insert; from then on another thread's reserve
+    (a locate reading disk pages back) may evict and reuse their rows. Here every row is
+    overwritten right after the insert, as such a reuse would: the disk tier still gets the pages
+    that were put (it once got the reusing page's bytes under the put's keys: wrong scores in
+    stress with a small DRAM tier once the files were read back)."""
+    import numpy as np
+
+    from kvlifecycle.store.backing import LocalBacking, LocalConfig
+    from kvlifecycle.store.transfer import PageCopier
+
+    page_bytes = 4 * int(np.prod(PAGE_SHAPE))
+    backing = LocalBacking(LocalConfig(dram_bytes=8 * page_bytes, disk_dir=tmp_path / "disk", shared_slab=False),
+                           PAGE_SHAPE, torch.float32, pin_memory=False)
+    layers, two, size, heads, dim = PAGE_SHAPE
+    pool = torch.randn(layers, 4, two, size, heads, dim)  # [L, P, 2, S, H, D]
+    insert = backing.dram.insert
+
+    def insert_then_reuse(keys: list[bytes], rows: list[int]) -> None:
+        insert(keys, rows)
+        backing.dram.slab[rows] = -1.0  # another thread's page in the same rows
+
+    backing.dram.insert = insert_then_reuse
+    keys = [bytes([i]) * 16 for i in range(1, 4)]
+    try:
+        assert backing.put(PageCopier(pool), np.array([0, 2, 3]), keys).name == "SUCCESS"
+        assert backing.disk.flush(timeout_s=10)
+        for key, page in zip(keys, (0, 2, 3)):
+            assert torch.equal(backing.disk.read(key), pool[:, page]), "the disk tier wrote another page's bytes"
+    finally:
+        backing.close()
+
+
+def test_the_stores_own_copy_holds_its_rows_against_eviction() -> None:
+    """A get looks its rows up, then copies them outside the index lock: meanwhile no other
+    thread's reserve may evict (and reuse) them."""
+    from kvlifecycle.store.tiers import DramTier
+
+    tier = DramTier(2 * 1024, (1, 2, 4, 2, 16), torch.float32, pin_memory=False)  # 2 pages of 1 KiB
+    a, b = b"a" * 16, b"b" * 16
+    tier.insert([a, b], tier.reserve(2, keep=set()))  # a is the least recently used
+    tier.hold([tier.row(a)])
+    tier.row(b)  # b touched after: a stays the least recent, and is held
+    assert len(tier.reserve(1, keep=set())) == 1 and tier.holds(a) and not tier.holds(b), "a held row was evicted"
+    tier.unhold([tier.row(a)])
+    assert len(tier.reserve(1, keep=set())) == 1 and not tier.holds(a), "an unheld row stayed"

@@ -29,6 +29,7 @@ import numpy as np
 
 from deploy import make_configs
 from deploy.launcher import build_model
+from deploy.metrics import scrape
 from deploy.processes import log_tail
 from deploy.runtime.settings import HOST_HIT_COPIERS, ServingSettings
 from tests.conftest import REPO_ROOT, LocalServer, launch_config, rendered_repository
@@ -47,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where hstu_compute runs (the default "
                    "float32 model; the reference is the float32 CPU scorer)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="max abs diff of a checked answer")
+    p.add_argument("--store-dram-bytes", type=int, default=512 << 20,
+                   help="the host store's DRAM tier (default 512 MiB); smaller makes it evict and reuse rows that "
+                        "hstu_compute copies host hits from")
     a = p.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
     # The disk tier bounded: an hour of stress wrote 20 GB of pages unbounded.
     server = LocalServer(launch_config(root, device=a.device, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
                                        host_hit_copy=a.host_hit_copy,
-                                       store_dram_bytes=512 << 20, store_disk_bytes=2 << 30,
+                                       store_dram_bytes=a.store_dram_bytes, store_disk_bytes=2 << 30,
                                        model_repository=rendered_repository(
                                            root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
     build_model(server.settings.model_dir, server.settings.device)
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(10)
             print(f"{time.monotonic() - started:.0f}s: {load.count} served, {len(load.errors)} failed", flush=True)
         crashed = server.triton.poll() is not None
+        host_tier = {} if crashed else _host_tier_counts(server)
         load.stop()
         if not crashed:
             load.join()
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                   # answered with a retryable error and resent: an input corrupted in transit
                   "retried": load.retried,
                   "scores_checked": len(load.served), "scores_wrong": len(wrong), "wrong": wrong[:5],
-                  "tritonserver_died": crashed}
+                  "tritonserver_died": crashed, **host_tier}
         if crashed:
             result["log_tail"] = log_tail(server.triton_log, 30)
         print(json.dumps(result))
@@ -92,6 +97,20 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
         else:
             print(f"logs kept in {root}", flush=True)
+
+
+def _host_tier_counts(server: LocalServer) -> dict[str, float]:
+    """How much of the run went through the host tier (the ensemble's series)."""
+    names = {"host_hits": ("hstu_kv_lookups_total", {"model": "kv_lookup_alloc", "outcome": "host_hit"}),
+             "onboarded_pages": ("hstu_kv_onboarded_pages_total", {}),
+             "onboard_failed_pages": ("hstu_kv_onboard_failed_pages_total", {}),
+             "onboard_locates": ("hstu_kv_onboard_locates_total", {"model": "hstu_compute"}),
+             "offloaded_pages": ("hstu_kv_offloaded_pages_total", {"model": "kv_offload"})}
+    try:
+        shown = scrape(server.metrics_url, timeout_s=5)
+        return {key: shown.value(name, **labels) for key, (name, labels) in names.items()}
+    except Exception as e:  # a report without them, not a failed run
+        return {"host_tier_counts": f"not read: {e}"}
 
 
 def _wrong_scores(served: list, tolerance: float) -> list[str]:
