@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where hstu_compute runs (the default "
                    "float32 model; the reference is the float32 CPU scorer)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help="max abs diff of a checked answer")
+    p.add_argument("--min-host-pages", type=int, default=0,
+                   help="the owner's --min-host-pages (default 0: the device's, 12 on cuda: most of this "
+                        "workload's histories are shorter, so pass 2 there to copy host hits)")
     p.add_argument("--store-dram-bytes", type=int, default=512 << 20,
                    help="the host store's DRAM tier (default 512 MiB); smaller makes it evict and reuse rows that "
                         "hstu_compute copies host hits from")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hstu-stress-"))
     # The disk tier bounded: an hour of stress wrote 20 GB of pages unbounded.
     server = LocalServer(launch_config(root, device=a.device, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
-                                       host_hit_copy=a.host_hit_copy,
+                                       host_hit_copy=a.host_hit_copy, min_host_pages=a.min_host_pages,
                                        store_dram_bytes=a.store_dram_bytes, store_disk_bytes=2 << 30,
                                        model_repository=rendered_repository(
                                            root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
