@@ -6,8 +6,8 @@
 #            cost independent of the pool, only the new tokens' rows written, the store on CUDA
 #            pools; the FlexKV ones skip unless FlexKV is built: the flexkv stage builds it)
 #   stress   tests.reliability.stress on the GPU ($STRESS_SECONDS, default 240; 48 unary streams over the
-#            soak's small pool: host hits, evictions, offloads; every 50th answer checked; exit 1 on a
-#            failed request, a wrong score or a crash)
+#            soak's small pool: host hits (--min-host-pages $STRESS_MIN_HOST_PAGES, default 2), evictions,
+#            offloads; every 50th answer checked; exit 1 on a failed request, a wrong score or a crash)
 #   floor    what an ensemble step costs with no work in it (deploy/bench/hops.py: identity models, 1
 #            step vs 3, c=1 and 32) and the owner's path hot and after 3 ms idle (deploy/bench/owner.py
 #            --idle-ms): the part of the c=1 gap that is this host's, not the models'
@@ -81,7 +81,10 @@ for stage in "${STAGES[@]}"; do
       | tee "$OUT/gpu-pytest-cuda.log" || status=1
   fi
   if [ "$stage" = stress ]; then
+    # --min-host-pages 2: under the GPU's default (12) this workload's short histories recompute, and no
+    # host hit is copied; $STRESS_ARGS adds e.g. "--store-dram-bytes 16777216" (rows reused under the reader)
     python3 -m tests.reliability.stress --device cuda --seconds "${STRESS_SECONDS:-240}" --concurrency 48 --check-every 50 \
+      --min-host-pages "${STRESS_MIN_HOST_PAGES:-2}" ${STRESS_ARGS:-} \
       2>&1 | grep -v " INFO " | tee "$OUT/gpu-stress.log" || status=1
   fi
   if [ "$stage" = floor ]; then
