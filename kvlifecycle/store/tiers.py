@@ -134,13 +134,21 @@ class DramTier:
                 del self._held[row]
 
     def insert(self, keys: list[bytes], rows: list[int]) -> None:
-        """Publish reserved ``rows`` as holding ``keys`` (most recently used)."""
+        """Publish reserved ``rows`` as holding ``keys`` (most recently used). A key inserted since
+        the caller reserved its row (the store's other thread put it, or read it back from disk,
+        meanwhile) keeps the row it has, and this row returns free: a key names its bytes, so both
+        rows hold the same page."""
         assert len(keys) == len(rows), f"DramTier.insert: {len(keys)} keys for {len(rows)} rows"
+        published_keys, published_rows = [], []
         for key, row in zip(keys, rows):
-            assert key not in self._rows, "DramTier.insert: key already held; caller must skip held keys"
+            if key in self._rows:
+                self._free.append(row)
+                continue
             self._rows[key] = row
+            published_keys.append(key)
+            published_rows.append(row)
         if self.shared is not None:
-            self.shared.publish(keys, rows)
+            self.shared.publish(published_keys, published_rows)
 
     def release(self, rows: list[int]) -> None:
         """Return reserved rows that were not inserted."""

@@ -88,3 +88,41 @@ def test_the_stores_own_copy_holds_its_rows_against_eviction() -> None:
     assert len(tier.reserve(1, keep=set())) == 1 and tier.holds(a) and not tier.holds(b), "a held row was evicted"
     tier.unhold([tier.row(a)])
     assert len(tier.reserve(1, keep=set())) == 1 and not tier.holds(a), "an unheld row stayed"
+
+
+def test_a_put_of_a_page_another_thread_read_back_meanwhile_keeps_one_row_for_it(tmp_path: Path) -> None:
+    """A put picks the pages the tier lacks, copies them outside the index lock, then inserts
+    them. Meanwhile the store's socket thread may read one of those pages back from disk (a
+    `locate` after its DRAM row was evicted): the put then finds the key held at its insert. The
+    page keeps one row, the put's row returns free (it once tripped an assertion, failing the put
+    and leaking its rows), and every page reads back right."""
+    import numpy as np
+
+    from kvlifecycle.store.backing import LocalBacking, LocalConfig
+    from kvlifecycle.store.transfer import PageCopier
+
+    page_bytes = 4 * int(np.prod(PAGE_SHAPE))
+    backing = LocalBacking(LocalConfig(dram_bytes=8 * page_bytes, disk_dir=tmp_path / "disk", shared_slab=False),
+                           PAGE_SHAPE, torch.float32, pin_memory=False)
+    layers, two, size, heads, dim = PAGE_SHAPE
+    pool = torch.randn(layers, 4, two, size, heads, dim)  # [L, P, 2, S, H, D]
+    keys = [bytes([i]) * 16 for i in range(1, 4)]
+    copier = PageCopier(pool)
+    gather = copier.gather
+
+    def gather_while_the_socket_thread_reads_back(*args, **kwargs) -> None:
+        gather(*args, **kwargs)
+        backing._promote([keys[1]], pool[:, 2].unsqueeze(0).clone(), keep=set())  # keys[1] is pool page 2
+
+    copier.gather = gather_while_the_socket_thread_reads_back
+    try:
+        assert backing.put(copier, np.array([0, 2, 3]), keys).name == "SUCCESS"
+        rows = [backing.dram.row(key) for key in keys]
+        assert None not in rows and len(set(rows)) == 3, f"rows {rows}: each page must keep one row of its own"
+        assert len(backing.dram) == 3 and len(backing.dram._free) == 8 - 3, "the put's spare row did not return free"
+        out = torch.zeros_like(pool)
+        assert backing.get(PageCopier(out), np.array([1, 2, 3]), keys).name == "SUCCESS"
+        for got, put in zip((1, 2, 3), (0, 2, 3)):
+            assert torch.equal(out[:, got], pool[:, put]), f"pool page {put} read back wrong"
+    finally:
+        backing.close()
