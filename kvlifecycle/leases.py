@@ -81,6 +81,9 @@ class ReserveAsk:
     host_pages: int
     ttl_s: float
     host_unconfirmed: bool = False  # host_pages are candidates the store has not confirmed yet
+    # Fewer onboard pages than this are computed instead: device pages another request evicted
+    # since the lookup (1-5, say) cost more to copy back than to recompute (min_host_pages).
+    min_onboard_pages: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -455,6 +458,8 @@ class LeaseTable:
         device = self.pages.match(ask.keys)
         d = len(device)
         h = max(0, min(ask.host_pages, num_full) - d)
+        if h < ask.min_onboard_pages:
+            h = 0
         need = num_pages - d
         device_set = set(device)
         free = self.pages.num_free

@@ -228,7 +228,8 @@ class KVCacheManager:
                  ttl_s: float | None = None) -> Lease:
         """Reserve pages for the request under a new lease. The device prefix is matched again
         (it may have changed since ``hit``); host pages of ``hit`` beyond it are reserved for
-        onboarding. With ``hit`` its keys are used as they are (``token_ids`` must be the
+        onboarding when there are at least ``min_host_pages`` of them (fewer, say device pages
+        evicted since the lookup, are computed; with no store, every page is). With ``hit`` its keys are used as they are (``token_ids`` must be the
         same request's); without one (no lookup made) the keys are computed here. Raises
         ``PoolExhausted`` without changing anything."""
         if hit is None:
@@ -250,8 +251,8 @@ class KVCacheManager:
         ttl = self.lease_ttl_s if ttl_s is None else ttl_s
         leases = self.leases.reserve_many([
             ReserveAsk(user_id=hit.user_id, namespace=hit.namespace, keys=hit.keys, tokens=hit.tokens,
-                       host_pages=hit.cached_tokens // self.page_size, ttl_s=ttl,
-                       host_unconfirmed=hit.host_unconfirmed)
+                       host_pages=hit.cached_tokens // self.page_size if self.store is not None else 0, ttl_s=ttl,
+                       host_unconfirmed=hit.host_unconfirmed, min_onboard_pages=self.min_host_pages)
             for hit in hits
         ], wait_s=self.pool_wait_s)
         for hit, lease in zip(hits, leases):

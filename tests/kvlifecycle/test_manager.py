@@ -594,3 +594,32 @@ def test_a_request_fails_after_the_wait_or_at_once_when_it_could_never_fit(tiny_
 def new_full_pages(lease: Lease) -> int:
     """The full pages the lease's request computes (past its cached prefix)."""
     return lease.num_full_pages - lease.cached_len // lease.page_size
+
+
+@pytest.mark.parametrize("min_host_pages,onboard_pages", [(2, 0), (1, 1)])
+def test_device_pages_lost_between_lookup_and_allocate_are_onboarded_only_from_min_host_pages(
+        smgr, store, min_host_pages, onboard_pages):
+    """Another request of the batch may evict a device hit's pages between its lookup and its
+    allocate. Fewer such pages than ``min_host_pages`` are computed, not copied back from the
+    host store: a copy that small costs more than its recompute."""
+    tokens = list(range(12))
+    fill_host(smgr, store, tokens)  # 3 pages on the host, none on the device
+    serve(smgr, 1, tokens)  # onboarded: the device holds all 3
+    smgr.min_host_pages = min_host_pages
+    hit = smgr.lookup(1, tokens + [1, 2])
+    assert (hit.device_tokens, hit.host_tokens) == (12, 0)
+    smgr.abort(smgr.allocate(9, list(range(500, 524))).lease_id)  # 6 pages: the 5 free, and 1 evicted (the leaf)
+    lease = smgr.allocate(1, tokens + [1, 2], hit)
+    assert (lease.num_device_pages, lease.num_onboard_pages) == (2, onboard_pages)
+    smgr.abort(lease.lease_id)
+
+
+def test_without_a_store_lost_device_pages_are_computed(mgr):
+    tokens = list(range(12))
+    serve(mgr, 1, tokens)
+    mgr.min_host_pages = 1
+    hit = mgr.lookup(1, tokens + [1, 2])
+    mgr.abort(mgr.allocate(9, list(range(500, 524))).lease_id)  # 6 pages: the 5 free, and 1 evicted (the leaf)
+    lease = mgr.allocate(1, tokens + [1, 2], hit)
+    assert (lease.num_device_pages, lease.num_onboard_pages) == (2, 0)
+    mgr.abort(lease.lease_id)
