@@ -9,9 +9,8 @@ their keys (`ComputePlan.onboard_keys`). For a whole batch, `OnboardReader.start
    asks the store (`HostStoreClient.locate`: one round trip for those; the store pins the rows,
    reads disk-only pages into DRAM and answers the rows and their versions);
 2. queues the copy of the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU
-   one host-to-device copy per run of slab rows on the copier's stream) and returns: the stream
-   that runs the forward waits for the copy on the GPU, so the host launches the batch's forward
-   meanwhile;
+   one host-to-device copy per run of slab rows, on the stream that runs the forward) and
+   returns: the forward is queued after the copy on the GPU, so the host launches it meanwhile;
 
 and once that forward has run, `OnboardReader.finish` keeps, per request, the leading pages whose
 slab row still has the version it was found at (`SharedSlab.unchanged`): a row the store
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from deploy.runtime.compute_plan import ComputePlan
 from kvlifecycle.pool import PagePool
@@ -92,8 +92,8 @@ class OnboardReader:
             logger.warning("onboard from the store's slab failed for %d requests; computing their pages",
                            len(plans), exc_info=True)
             queued.pages, queued.rows, queued.versions, queued.slab = [0] * len(plans), [], [], None
-            if self._copier is not None:  # a copy queued before the failure must not land on computed pages
-                self._copier.synchronize()
+            if pool.tensor.is_cuda:  # a copy queued before the failure must not land on computed pages
+                torch.cuda.current_stream(pool.tensor.device).synchronize()
         return queued
 
     def finish(self, queued: "QueuedOnboard") -> list[int]:
@@ -197,5 +197,5 @@ class QueuedOnboard:
     rows: list[np.ndarray] = field(default_factory=list)  # per plan: the slab rows copied
     versions: list[np.ndarray] = field(default_factory=list)  # per plan: their versions when located
     slab: SharedSlab | None = None
-    done: Any = None  # the copy's CUDA event (None: nothing pending on the host's side)
+    done: Any = None  # the CUDA stream the copy was queued on (None: nothing pending on the host's side)
     intact: list[int] | None = None  # `OnboardReader.finish`'s answer, once asked

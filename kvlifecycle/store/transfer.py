@@ -6,8 +6,8 @@ contiguous run of bytes (a disk file, a Mooncake value).
 
 Every call moves all requested pages at once (``index_select`` / ``index_copy_``), never a
 Python loop per page. On CUDA the copies run on the copier's own stream and the call returns
-after that stream's event completed (``scatter(..., wait=False)``: once queued, with the caller's
-stream ordered after them); host memory should then be pinned, and host-side
+after that stream's event completed (``scatter(..., wait=False)``: queued on the caller's own
+stream instead, and returned at once); host memory should then be pinned, and host-side
 copies are issued per run of consecutive host rows (one ``copy_`` per run, usually one).
 
 On the CPU a page of one layer is copied as one row of 64-bit words (``_word_rows``), straight
@@ -50,11 +50,6 @@ class PageCopier:
 
     # -- public API ---------------------------------------------------------------------
 
-    def synchronize(self) -> None:
-        """Wait for every copy queued (``scatter(..., wait=False)``)."""
-        if self._stream is not None:
-            self._stream.synchronize()
-
     def gather(self, pool_pages: np.ndarray, out: torch.Tensor, rows: np.ndarray) -> None:
         """Offload: ``out[rows[i]] = pool[:, pool_pages[i]]`` for every i."""
         if len(pool_pages) == 0:
@@ -78,14 +73,15 @@ class PageCopier:
         done.synchronize()
 
     def scatter(self, src: torch.Tensor, rows: np.ndarray, pool_pages: np.ndarray,
-                wait: bool = True) -> "torch.cuda.Event | None":
+                wait: bool = True) -> "torch.cuda.Stream | None":
         """Onboard: ``pool[:, pool_pages[i]] = src[rows[i]]`` for every i.
 
-        ``wait=False`` on CUDA returns once the copy is queued: the calling thread's current
-        stream waits for it on the GPU (so a forward launched next on that stream reads the
-        pages), and the returned event marks its end for whatever must know it on the host
-        (``src`` must stay mapped until then). Otherwise the pages are in place on return, and
-        None is returned."""
+        ``wait=False`` on CUDA queues the copy on the calling thread's current stream and returns
+        that stream: the work the caller queues next on it (a forward) reads the pages, and its
+        ``synchronize()`` waits for the copy on the host (``src`` must stay mapped until then).
+        No stream of its own and no event: the reader's forward waits for the copy anyway, and
+        each costs host time per call. Otherwise the pages are in place on return, and None is
+        returned."""
         if len(pool_pages) == 0:
             return None
         pages = _pages_tensor(pool_pages)
@@ -96,24 +92,26 @@ class PageCopier:
                 for layer in range(pool_words.shape[0]):
                     pool_words[layer].index_copy_(0, run, src_words[row:row + length, layer])
             return None
+        if not wait:
+            self._scatter_cuda(src, rows, pages)
+            return torch.cuda.current_stream(self.pool.device)
         assert self._stream is not None
-        caller = torch.cuda.current_stream(self.pool.device)
         with torch.cuda.stream(self._stream):
-            # staged and dev_pages are freed on this stream: the allocator reuses their blocks only
-            # for work queued on it later, so returning before the copy ends is safe
-            staged = torch.empty((len(rows), *self.page_shape), dtype=self.pool.dtype,
-                                 device=self.pool.device)
-            for start, row, length in _runs(rows):
-                staged[start:start + length].copy_(src[row:row + length], non_blocking=True)
-            dev_pages = pages.to(self.pool.device, non_blocking=True)
-            self.pool.index_copy_(1, dev_pages, staged.transpose(0, 1))
+            self._scatter_cuda(src, rows, pages)
             done = torch.cuda.Event()
             done.record(self._stream)
-        if wait:
-            done.synchronize()
-            return None
-        caller.wait_event(done)
-        return done
+        done.synchronize()
+        return None
+
+    def _scatter_cuda(self, src: torch.Tensor, rows: np.ndarray, pages: torch.Tensor) -> None:
+        """``scatter``'s copies, queued on the current stream. ``staged`` and the page ids are
+        freed on it: the allocator reuses their blocks only for work queued on it later, so
+        returning before the copy ends is safe."""
+        staged = torch.empty((len(rows), *self.page_shape), dtype=self.pool.dtype, device=self.pool.device)
+        for start, row, length in _runs(rows):
+            staged[start:start + length].copy_(src[row:row + length], non_blocking=True)
+        dev_pages = pages.to(self.pool.device, non_blocking=True)
+        self.pool.index_copy_(1, dev_pages, staged.transpose(0, 1))
 
 
 # ---------------------------------------------------------------------------------------
