@@ -98,12 +98,19 @@ def _shared_tier(pages: int) -> DramTier:
     return tier
 
 
+@pytest.fixture(params=["each", "together"])
+def probe(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``SharedSlab.find`` probes a few keys one by one and many at once: each test runs both."""
+    monkeypatch.setattr(slab_module, "FEW_KEYS", 10**9 if request.param == "each" else 0)
+    return request.param
+
+
 def _colliding_key(rng: np.random.Generator, homes: list[int]) -> bytes:
     """A key whose first 8 bytes (its home slot) are one of ``homes``: long probe runs, wrapping."""
     return int(rng.choice(homes)).to_bytes(8, "little") + rng.bytes(8)
 
 
-def test_the_slabs_index_shows_exactly_the_pages_the_tier_holds() -> None:
+def test_the_slabs_index_shows_exactly_the_pages_the_tier_holds(probe: str) -> None:
     """Random puts and evictions through the DRAM tier, most keys homed on a few slots around the
     table's end (runs that wrap, deletions that move entries back): after every step, ``find``
     answers each key's row exactly as the tier holds it, and nothing for a key it dropped."""
@@ -134,7 +141,7 @@ def test_the_slabs_index_shows_exactly_the_pages_the_tier_holds() -> None:
         tier.close()
 
 
-def test_a_page_a_reader_found_gets_a_second_chance_before_eviction() -> None:
+def test_a_page_a_reader_found_gets_a_second_chance_before_eviction(probe: str) -> None:
     tier = _shared_tier(4)
     keys = [bytes([i]) * 16 for i in range(1, 6)]
     try:
@@ -151,7 +158,7 @@ def test_a_page_a_reader_found_gets_a_second_chance_before_eviction() -> None:
         tier.close()
 
 
-def test_a_reader_racing_the_store_never_accepts_a_page_other_than_the_one_it_found() -> None:
+def test_a_reader_racing_the_store_never_accepts_a_page_other_than_the_one_it_found(probe: str) -> None:
     """The store reuses rows as fast as it can (withdraw, bump, write a page whose every value
     names its key, publish) while a reader thread finds pages, copies them and keeps those whose
     version did not move (``unchanged``), with thread switches every few microseconds: every page
