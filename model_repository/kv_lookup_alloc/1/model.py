@@ -73,7 +73,7 @@ class TritonPythonModel:
         self.ops_handle = ops.register(self.cache.manager)
         self.stages = StageTimer()
         self.metrics = KVMetrics(args["model_name"], args["model_instance_name"],
-                                 [*OWNER_PUBLISHED, *stage_keys("lookup", "allocate", "onboard_launch")],
+                                 [*OWNER_PUBLISHED, *stage_keys("apply_commits", "lookup", "allocate", "onboard_launch")],
                                  source=lambda: {**self.cache.stats(), **self.stages.stats()})
         logger.info("kv_lookup_alloc: pool %s, store %s, control %s", self.cache.pool.spec,
                     self.settings.store, self.settings.control_endpoint)
@@ -146,11 +146,12 @@ class TritonPythonModel:
             return
         manager = self.cache.manager
         started = time.perf_counter()
-        user_ids = torch.tensor([item.inputs.user_id for item in batch], dtype=torch.int64)
-        tokens, offsets = ops.join_tokens([item.tokens for item in batch])
         # Every commit kv_offload announced before it answered is applied first: a user's request
         # sent after its previous answer finds that request's pages (kvlifecycle/commit_channel.py).
         self.control.drain_commits()
+        drained = time.perf_counter()
+        user_ids = torch.tensor([item.inputs.user_id for item in batch], dtype=torch.int64)
+        tokens, offsets = ops.join_tokens([item.tokens for item in batch])
         # The store is not asked here: the control plane's thread asks it about each onboard started.
         hits = self.ops.lookup(self.ops_handle, user_ids, tokens, offsets)
         looked_up = time.perf_counter()
@@ -177,7 +178,8 @@ class TritonPythonModel:
             item.reply.answer(response)
         # Every request of the batch spent the whole of each step in it.
         n = len(batch)
-        self.stages.add("lookup", looked_up - started, n)
+        self.stages.add("apply_commits", drained - started, n)
+        self.stages.add("lookup", looked_up - drained, n)
         self.stages.add("allocate", allocated - looked_up, n)
         self.stages.add("onboard_launch", launched - allocated, n)
 
