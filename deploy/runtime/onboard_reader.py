@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import torch
 
 from deploy.runtime.compute_plan import ComputePlan
 from kvlifecycle.pool import PagePool
@@ -91,9 +90,9 @@ class OnboardReader:
         except Exception:
             logger.warning("onboard from the store's slab failed for %d requests; computing their pages",
                            len(plans), exc_info=True)
+            # a copy queued before the failure is on the forward's stream: it lands before the
+            # forward writes those pages
             queued.pages, queued.rows, queued.versions, queued.slab = [0] * len(plans), [], [], None
-            if pool.tensor.is_cuda:  # a copy queued before the failure must not land on computed pages
-                torch.cuda.current_stream(pool.tensor.device).synchronize()
         return queued
 
     def finish(self, queued: "QueuedOnboard") -> list[int]:

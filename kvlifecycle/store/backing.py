@@ -156,14 +156,14 @@ class LocalBacking(Backing):
         for_disk = (self.dram.slab.index_select(0, torch.as_tensor(rows, dtype=torch.int64))
                     if self.disk is not None and fresh else None)
         with self._lock:
-            self.dram.insert(fresh_keys, rows)
+            inserted = self.dram.insert(fresh_keys, rows)
             if self.key_filter is not None:
                 self.key_filter.add(fresh_keys)
                 if self.key_filter.rebuild_due():  # drop the keys evicted since the last one
                     self.key_filter.rebuild(self._held_keys())
                     self._counters["key_filter_rebuilds"] += 1
-        self._counters["put_pages"] += len(fresh)
-        self._counters["put_bytes"] += len(fresh) * self.dram.page_bytes
+        self._counters["put_pages"] += inserted
+        self._counters["put_bytes"] += inserted * self.dram.page_bytes
         if for_disk is not None:
             self.disk.write_behind(fresh_keys, for_disk)
         return Status.SUCCESS

@@ -133,15 +133,16 @@ class DramTier:
             if self._held[row] <= 0:
                 del self._held[row]
 
-    def insert(self, keys: list[bytes], rows: list[int]) -> None:
-        """Publish reserved ``rows`` as holding ``keys`` (most recently used). A key inserted since
-        the caller reserved its row (the store's other thread put it, or read it back from disk,
-        meanwhile) keeps the row it has, and this row returns free: a key names its bytes, so both
-        rows hold the same page."""
+    def insert(self, keys: list[bytes], rows: list[int]) -> int:
+        """Publish reserved ``rows`` as holding ``keys`` (most recently used); returns how many
+        were new. A key inserted since the caller reserved its row (the store's other thread put
+        it, or read it back from disk, meanwhile) keeps the row it has, and this row returns free:
+        a key names its bytes, so both rows hold the same page."""
         assert len(keys) == len(rows), f"DramTier.insert: {len(keys)} keys for {len(rows)} rows"
         published_keys, published_rows = [], []
         for key, row in zip(keys, rows):
             if key in self._rows:
+                self._rows.move_to_end(key)
                 self._free.append(row)
                 continue
             self._rows[key] = row
@@ -149,6 +150,7 @@ class DramTier:
             published_rows.append(row)
         if self.shared is not None:
             self.shared.publish(published_keys, published_rows)
+        return len(published_keys)
 
     def release(self, rows: list[int]) -> None:
         """Return reserved rows that were not inserted."""

@@ -60,9 +60,10 @@ def test_a_put_copies_its_pages_for_disk_before_another_thread_can_reuse_their_r
     pool = torch.randn(layers, 4, two, size, heads, dim)  # [L, P, 2, S, H, D]
     insert = backing.dram.insert
 
-    def insert_then_reuse(keys: list[bytes], rows: list[int]) -> None:
-        insert(keys, rows)
+    def insert_then_reuse(keys: list[bytes], rows: list[int]) -> int:
+        inserted = insert(keys, rows)
         backing.dram.slab[rows] = -1.0  # another thread's page in the same rows
+        return inserted
 
     backing.dram.insert = insert_then_reuse
     keys = [bytes([i]) * 16 for i in range(1, 4)]
@@ -120,6 +121,7 @@ def test_a_put_of_a_page_another_thread_read_back_meanwhile_keeps_one_row_for_it
         rows = [backing.dram.row(key) for key in keys]
         assert None not in rows and len(set(rows)) == 3, f"rows {rows}: each page must keep one row of its own"
         assert len(backing.dram) == 3 and len(backing.dram._free) == 8 - 3, "the put's spare row did not return free"
+        assert backing.stats()["put_pages"] == 2, "the page read back meanwhile was counted as put"
         out = torch.zeros_like(pool)
         assert backing.get(PageCopier(out), np.array([1, 2, 3]), keys).name == "SUCCESS"
         for got, put in zip((1, 2, 3), (0, 2, 3)):

@@ -158,6 +158,23 @@ def test_a_page_a_reader_found_gets_a_second_chance_before_eviction(probe: str) 
         tier.close()
 
 
+def test_a_page_inserted_twice_keeps_one_row_in_the_index(probe: str) -> None:
+    """The store's two threads may insert the same page (a put, and a read-back from disk): the
+    second insert's row returns free and is not indexed, so the index never names a row that
+    will be reused without being withdrawn first."""
+    tier = _shared_tier(4)
+    key = bytes([3]) * 16
+    try:
+        [first] = tier.reserve(1, keep=set())
+        [spare] = tier.reserve(1, keep=set())
+        assert tier.insert([key], [first]) == 1 and tier.insert([key], [spare]) == 0
+        assert tier.shared.find([[key]])[0][0].tolist() == [first]
+        assert int((tier.shared._table == first + 1).sum()) == 1 and not (tier.shared._table == spare + 1).any()
+        assert spare in tier._free and tier.row(key) == first
+    finally:
+        tier.close()
+
+
 def test_a_reader_racing_the_store_never_accepts_a_page_other_than_the_one_it_found(probe: str) -> None:
     """The store reuses rows as fast as it can (withdraw, bump, write a page whose every value
     names its key, publish) while a reader thread finds pages, copies them and keeps those whose
@@ -276,9 +293,9 @@ def test_a_reader_maps_the_store_memory_and_keeps_it_after_the_store_closed_it()
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh pytest)")
 def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream() -> None:
-    """`scatter(..., wait=False)` returns before the copy ends; what the calling thread queues next
-    on its stream (the forward, in hstu_compute) must still read the copied pages. A big copy, so
-    that a missing stream wait would read the old bytes."""
+    """`scatter(..., wait=False)` returns before the copy ends, queued on the calling thread's
+    stream; what that thread queues next (the forward, in hstu_compute) must still read the copied
+    pages. A big copy, so that a copy queued on another stream would be read before it landed."""
     spec = PoolSpec(num_layers=4, num_pages=1024, page_size=32, num_heads=4, head_dim=128, dtype="bfloat16",
                     device="cuda")
     slab = SharedSlab.create(512, host_page_shape(spec.shape), spec.torch_dtype, pin=True)
@@ -289,7 +306,8 @@ def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream() -> None:
             rows, pages = np.arange(512, dtype=np.int64), np.arange(100, 612, dtype=np.int64)
             done = PageCopier(pool.tensor).scatter(slab.rows, rows, pages, wait=False)
             read = pool.tensor[:, 100:612].transpose(0, 1).contiguous()  # on the caller's stream, queued next
-            assert done is not None
+            assert done == torch.cuda.current_stream(), "the copy was not queued on the caller's stream"
             assert torch.equal(read.cpu(), slab.rows), "the caller's stream read the pages before the copy landed"
+            done.synchronize()
     finally:
         slab.close()

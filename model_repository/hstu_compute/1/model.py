@@ -8,10 +8,11 @@ alone; a failed request's lease is aborted so its pages return at once. It answe
 scores only: kv_offload takes the request's lease id from kv_lookup_alloc itself.
 
 Onboarding from the store's shared DRAM tier (the default with the embedded store): the plan
-names the onboard pages' keys (`onboard_keys`). `execute` asks the store where the batch's pages
-sit in its shared slab (`locate`: one round trip for the batch, rows pinned), queues their copy
-into the pool (`OnboardReader.start`), and computes those requests with the rest of the batch: the
-forward's stream waits for the copy on the GPU, not the host. Once the forward has run, a request
+names the onboard pages' keys (`onboard_keys`). `execute` finds where the batch's pages sit in the
+store's shared slab (its index, read without a round trip; `locate` asks the store for pages the
+index does not show), queues their copy into the pool on the forward's own stream
+(`OnboardReader.start`), and computes those requests with the rest of the batch: the forward runs
+after the copy on the GPU, and the host does not wait for it. Once the forward has run, a request
 whose slab rows the store reused meanwhile is computed again without them (`OnboardReader.finish`);
 a page the store no longer holds is computed in the first place. Before it answers, `execute`
 tells the owner how many pages of each lease it copied (one datagram for the batch,
