@@ -229,9 +229,10 @@ class KVCacheManager:
         """Reserve pages for the request under a new lease. The device prefix is matched again
         (it may have changed since ``hit``); host pages of ``hit`` beyond it are reserved for
         onboarding when there are at least ``min_host_pages`` of them (fewer, say device pages
-        evicted since the lookup, are computed; with no store, every page is). With ``hit`` its keys are used as they are (``token_ids`` must be the
-        same request's); without one (no lookup made) the keys are computed here. Raises
-        ``PoolExhausted`` without changing anything."""
+        evicted since the lookup, are computed; with no store, every page is). With ``hit`` its
+        keys are used as they are (``token_ids`` must be the same request's); without one (no
+        lookup made) the keys are computed here. Raises ``PoolExhausted`` without changing
+        anything."""
         if hit is None:
             hit = self._nothing_cached(int(user_id), tokens_as_int64(token_ids))
         elif hit.user_id != int(user_id) or hit.num_tokens != len(token_ids):
