@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OnboardReader", "QueuedOnboard"]
 
+# How long a slab the store was found to serve is taken as still served: the check is a stat of the
+# store's memory file (tens of microseconds a batch). A slab whose store stopped meanwhile still
+# holds right pages (nothing writes them any more), so reading it that much longer is safe.
+SLAB_CHECK_INTERVAL_S = 0.1
+
 
 class OnboardReader:
     """See the module docstring. One per hstu_compute instance, used by its `execute` thread."""
@@ -60,6 +65,7 @@ class OnboardReader:
         self.pin_s = pin_s  # how long the store keeps the located rows from eviction
         self._slab: SharedSlab | None = None
         self._slab_lock = threading.Lock()  # the warm-up thread maps it too
+        self._slab_served_until = 0.0  # monotonic time until which `_slab` is taken as served
         self._closed = False
         self._copier: PageCopier | None = None
         self._copier_pool: PagePool | None = None
@@ -147,7 +153,7 @@ class OnboardReader:
         slab's index; from the store (`locate`, one round trip) for the requests whose pages the
         index does not all show. (None, []) when neither answers."""
         slab = self._slab
-        found = slab.find(wanted) if slab is not None and slab.current() else None
+        found = slab.find(wanted) if slab is not None and self._served(slab) else None
         short = [i for i, keys in enumerate(wanted) if found is None or len(found[i][0]) < len(keys)]
         if not short:
             return slab, found
@@ -162,6 +168,17 @@ class OnboardReader:
         for i, rows, versions in zip(short, located.rows, located.versions):
             found[i] = (rows, versions)
         return mapped, found
+
+    def _served(self, slab: SharedSlab) -> bool:
+        """Whether the store still serves ``slab`` (``SharedSlab.current``), asked at most every
+        ``SLAB_CHECK_INTERVAL_S``."""
+        now = time.monotonic()
+        if now < self._slab_served_until:
+            return True
+        if not slab.current():
+            return False
+        self._slab_served_until = now + SLAB_CHECK_INTERVAL_S
+        return True
 
     def _map(self, handle: dict[str, Any], pin: bool) -> SharedSlab | None:
         """The slab ``handle`` names, mapped once (a restarted store names a new one)."""
