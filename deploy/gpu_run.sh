@@ -72,6 +72,8 @@ python3 -c "import torch, numpy, zmq, tritonclient.grpc; print('torch', torch.__
 # perf_analyzer starts (its libraries come from the bundle's lib/): its first line of help
 "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/perf_analyzer" --help 2>&1 | head -2 | tee -a "$OUT/gpu-host.txt" || true
 status=0
+# Every stage's output goes through `grep --line-buffered`: a plain grep in a pipe holds its lines
+# until the end, so a stage killed by a time limit left an empty log.
 
 for stage in "${STAGES[@]}"; do
   if [ "$stage" = pytest ]; then
@@ -85,7 +87,7 @@ for stage in "${STAGES[@]}"; do
     # host hit is copied; $STRESS_ARGS adds e.g. "--store-dram-bytes 16777216" (rows reused under the reader)
     python3 -m tests.reliability.stress --device cuda --seconds "${STRESS_SECONDS:-240}" --concurrency 48 --check-every 50 \
       --min-host-pages "${STRESS_MIN_HOST_PAGES:-2}" ${STRESS_ARGS:-} \
-      2>&1 | grep -v " INFO " | tee "$OUT/gpu-stress.log" || status=1
+      2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/gpu-stress.log" || status=1
   fi
   if [ "$stage" = floor ]; then
     python3 -m deploy.bench.hops --concurrency 1 32 --report-dir "$OUT" 2>&1 | tee "$OUT/gpu-hops.log" || status=1
@@ -97,7 +99,7 @@ for stage in "${STAGES[@]}"; do
   if [ "$stage" = compute ]; then
     for name in $CONFIGS; do
       python3 -m deploy.bench.compute --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
-        --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep -v " INFO " || status=1
+        --pool-pages "$POOL_PAGES" --report-dir "$OUT" 2>&1 | grep --line-buffered -v " INFO " || status=1
       # hstu_compute's Python around the call, on this host's cores (seconds)
       python3 -m deploy.bench.host_work --pinned --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --report-dir "$OUT" || status=1
@@ -112,13 +114,13 @@ for stage in "${STAGES[@]}"; do
       builds+=($!)
     done
     for pid in "${builds[@]}"; do wait "$pid" || status=1; done
-    python3 -m deploy.bench.onboard --device cuda --repeats 10 --report-dir "$OUT" 2>&1 | grep -v " INFO " \
+    python3 -m deploy.bench.onboard --device cuda --repeats 10 --report-dir "$OUT" 2>&1 | grep --line-buffered -v " INFO " \
       | tee "$OUT/gpu-onboard.log" || status=1
     for name in $CONFIGS; do
       python3 -m deploy.bench --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" "${TOL_ARGS[@]}" \
         --pool-pages "$POOL_PAGES" --phases cache --repeats "${CACHE_REPEATS:-2}" \
         --cache-tokens ${CACHE_TOKENS:-256 512 1024 2048 4096} --no-perf-analyzer --out-dir "$OUT/bench-cache-$name" 2>&1 \
-        | grep -v " INFO " | tee "$OUT/gpu-cache-$name.log" || status=1
+        | grep --line-buffered -v " INFO " | tee "$OUT/gpu-cache-$name.log" || status=1
     done
   fi
   if [ "$stage" = flexkv ]; then
@@ -126,20 +128,20 @@ for stage in "${STAGES[@]}"; do
       --prefix .flexkv ${FLEXKV_BUILD_ARGS:-} 2>&1 | tee "$OUT/gpu-flexkv-build.log" || status=1
     . .flexkv/env.sh
     python3 -m pytest -q -s -rs -m cuda -p no:cacheprovider tests/kvlifecycle/test_store_flexkv.py \
-      tests/integration/test_serve_flexkv.py 2>&1 | grep -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
+      tests/integration/test_serve_flexkv.py 2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/gpu-pytest-flexkv.log" || status=1
     # FlexKV's GPU<->CPU copy kernel runs on FLEXKV_TRANSFER_NUM_CTA_{H2D,D2H} thread blocks
     # (FlexKV's default 4; the store process defaults to kvlifecycle.store.flexkv.TRANSFER_CTAS).
     for ctas in ${FLEXKV_CTA_SWEEP:-4 16 32}; do
       FLEXKV_TRANSFER_NUM_CTA_H2D=$ctas FLEXKV_TRANSFER_NUM_CTA_D2H=$ctas python3 -m deploy.bench.store --device cuda \
         --stores embedded flexkv --layers 3 --heads 4 --head-dim 128 --dtype bfloat16 --report-dir "$OUT/store-cta$ctas" \
-        2>&1 | grep -v " INFO " | tee "$OUT/gpu-store-bench-cta$ctas.log" || status=1
+        2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/gpu-store-bench-cta$ctas.log" || status=1
     done
     name="${CONFIGS%% *}"
     for store in flexkv embedded; do
       [ -n "${FLEXKV_BENCH_PHASES-host_hits offload}" ] || break  # set to "" to skip
       python3 -m deploy.bench --device cuda --store "$store" --model-config "deploy/configs/gpu_${name}_bf16.json" \
         --pool-pages "$POOL_PAGES" --phases ${FLEXKV_BENCH_PHASES-host_hits offload} --repeats "${FLEXKV_BENCH_REPEATS:-2}" --no-perf-analyzer \
-        --out-dir "$OUT/bench-$store" 2>&1 | grep -v " INFO " | tee "$OUT/gpu-bench-$store.log" || status=1
+        --out-dir "$OUT/bench-$store" 2>&1 | grep --line-buffered -v " INFO " | tee "$OUT/gpu-bench-$store.log" || status=1
     done
     # Every server's own logs (tritonserver's model table names a model's load error in full).
     tar czf "$OUT/gpu-flexkv-server-logs.tgz" /tmp/hstu-serve-*/*.log 2>/dev/null || true
@@ -151,7 +153,7 @@ for stage in "${STAGES[@]}"; do
     name="${CONFIGS%% *}"
     python3 -m deploy.bench.profile --serve --device cuda --model-config "deploy/configs/gpu_${name}_bf16.json" \
       --pool-pages "$POOL_PAGES" --concurrency ${PROFILE_CONCURRENCY:-1 32} ${PROFILE_ARGS:-} --out-dir "$OUT/profile-$name" 2>&1 \
-      | grep -v " INFO " | tee "$OUT/gpu-profile-$name.log" || status=1
+      | grep --line-buffered -v " INFO " | tee "$OUT/gpu-profile-$name.log" || status=1
   fi
   for name in $CONFIGS; do
     config="deploy/configs/gpu_${name}_bf16.json"
@@ -162,19 +164,19 @@ for stage in "${STAGES[@]}"; do
         python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages "$POOL_PAGES" \
           --users 128 --requests "${SWEEP_REQUESTS:-512}" --median-events 600 --concurrency ${SWEEP_CONCURRENCY:-1 4 8 16 32 64 128} \
           --cuda-graphs "$graphs" --json-out "$OUT/gpu-demo-$name-graphs$graphs.json" 2>&1 \
-          | tee "$OUT/gpu-demo-$name-graphs$graphs.log" | grep -v " INFO " || status=1
+          | tee "$OUT/gpu-demo-$name-graphs$graphs.log" | grep --line-buffered -v " INFO " || status=1
       done
     fi
     if [ "$stage" = pooldemo ]; then
       python3 -m deploy.demo --device cuda --model-config "$config" "${TOL_ARGS[@]}" --pool-pages 2048 \
         --users 128 --requests 256 --median-events 600 --concurrency 1 8 16 \
-        --json-out "$OUT/gpu-demo-$name-pool2048.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool2048.log" | grep -v " INFO " || status=1
+        --json-out "$OUT/gpu-demo-$name-pool2048.json" 2>&1 | tee "$OUT/gpu-demo-$name-pool2048.log" | grep --line-buffered -v " INFO " || status=1
     fi
     if [ "$stage" = bench ]; then
       python3 -m deploy.bench --device cuda --model-config "$config" --pool-pages "$POOL_PAGES" \
         --phases ${BENCH_PHASES:-cache device_hit host_hits} --concurrency ${BENCH_CONCURRENCY:-1 8 32} --users 64 \
         --repeats "${BENCH_REPEATS:-3}" "${TOL_ARGS[@]}" --out-dir "$OUT" ${BENCH_ARGS:-} 2>&1 \
-        | tee "$OUT/gpu-bench-$name.log" | grep -v " INFO " || status=1
+        | tee "$OUT/gpu-bench-$name.log" | grep --line-buffered -v " INFO " || status=1
     fi
   done
 done
