@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_INPUT_NAMES", "PagedBatch", "Request", "plan_sub_batches"]
+__all__ = ["CALL_COST", "CallCost", "GRAPH_INPUT_NAMES", "PagedBatch", "Request", "plan_sub_batches"]
 
 # The exported forward's positional arguments, in order.
 GRAPH_INPUT_NAMES = ("kv_pool", "new_tokens", "new_offsets", "cached_lens", "page_table",
@@ -182,23 +182,36 @@ class PagedBatch:
                 self.candidates, self.cand_offsets)
 
 
-# What one compiled call costs before its work, in cells (one query x key product of one layer),
-# per device type. On the GPU a call is launch-bound: on an H100 (small config) one user costs
-# about 1 ms, 8 users 1.0-1.2 ms, a 2,048-token miss (4.5M cells) 1.4 ms, so 1 ms is about 10M
-# cells; on the CPU a call's fixed cost is small next to its arithmetic.
-CALL_CELLS = {"cpu": 64 * 1024, "cuda": 8 * 1024 * 1024}
+@dataclass(frozen=True)
+class CallCost:
+    """How ``plan_sub_batches`` prices a compiled call on one device type. ``call_cells``: what a
+    call costs before its work, in cells (one query x key product of one layer); ``slack``: how
+    many times its members' own cells a sub-batch's padded cells may reach before a second call
+    is cheaper (beyond ``call_cells``)."""
+
+    call_cells: int
+    slack: float
 
 
-def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
-                     call_cells: int = CALL_CELLS["cpu"]) -> list[list[int]]:
+# On the GPU a call is launch-bound: on an H100 (small config) one user costs about 1 ms, 8 users
+# 1.0-1.2 ms, a 2,048-token miss (4.5M cells) 1.4 ms, so 1 ms is about 10M cells, and padding is
+# nearly free. On the CPU a call's fixed cost is small next to its arithmetic, and a padded cell
+# costs what a real one does: on the 2-core CPU machine (default model, the demo's trace; `python -m
+# deploy.bench.sub_batches`), batches of 3, 8 and 14 cost 1.50, 1.29 and 1.08 ms per request at
+# slack 1.0 against 1.62, 1.49 and 1.31 at 1.5 (one call per user: 1.47, 1.22 and 1.15).
+CALL_COST = {"cpu": CallCost(call_cells=64 * 1024, slack=1.0),
+             "cuda": CallCost(call_cells=8 * 1024 * 1024, slack=1.5)}
+
+
+def plan_sub_batches(shapes: Sequence[tuple[int, int]], cost: CallCost = CALL_COST["cpu"]) -> list[list[int]]:
     """Split a dynamic batch into sub-batches of similar size, as lists of request indices.
 
     The paged forward pads every user to the batch's longest queries (new tokens + candidates)
     and widest keys (cached + new tokens), so one long miss batched with short hits makes each
     hit cost as much as the miss. ``shapes[i]`` is request i's ``(queries, keys)``; requests are
     taken smallest first and a sub-batch grows while its padded cost ``B * max_q * max_k`` stays
-    within ``slack`` times the sum of its members' own costs plus ``call_cells``, the fixed cost
-    of a call (``CALL_CELLS``): padding is cheaper than a second call up to there.
+    within ``cost.slack`` times the sum of its members' own costs plus ``cost.call_cells``, the
+    fixed cost of a call (``CALL_COST``): padding is cheaper than a second call up to there.
     """
     order = sorted(range(len(shapes)), key=lambda i: shapes[i][0] * shapes[i][1])
     groups: list[list[int]] = []
@@ -208,7 +221,7 @@ def plan_sub_batches(shapes: Sequence[tuple[int, int]], slack: float = 1.5,
         q, k = shapes[i]
         grown_q, grown_k = max(max_q, q), max(max_k, k)
         padded = (len(current) + 1) * grown_q * grown_k
-        if current and padded > slack * (own_cost + q * k) + call_cells:
+        if current and padded > cost.slack * (own_cost + q * k) + cost.call_cells:
             groups.append(current)
             current, grown_q, grown_k, own_cost = [], q, k, 0
         current.append(i)

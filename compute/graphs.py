@@ -1,7 +1,7 @@
 """CUDA graphs of the compiled paged forward, at bucketed shapes.
 
 On the GPU a call of the AOTI package is launch-bound up to about 8 users (``compute.batch``,
-``CALL_CELLS``): the CPU issuing a few hundred kernels, not the GPU running them, sets its
+``CALL_COST``): the CPU issuing a few hundred kernels, not the GPU running them, sets its
 time. A CUDA graph replays the same kernels with one launch. A graph is captured for fixed
 tensor shapes and addresses, so a batch is padded up to a bucketed shape (``GraphShape``: each
 size to a power of two, with minimums that let one graph serve every batch of short runs) and

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from compute import HSTUConfig, PagedBatch
-from compute.batch import CALL_CELLS, plan_sub_batches
+from compute.batch import CALL_COST, plan_sub_batches
 from deploy.bench.graph_shapes import demo_requests
 from deploy.bench.report import write_dated_report
 from deploy.runtime import sealed_scores
@@ -54,7 +54,7 @@ def time_steps(flat_plans: list[torch.Tensor], pool: torch.Tensor, config: HSTUC
         "unpack": lambda: [ComputePlan.unpack(f) for f in flat_plans],
         "plan_sub_batches": lambda: plan_sub_batches(
             [(p.new_tokens.numel() + p.candidates.numel(), p.cached_len + p.new_tokens.numel()) for p in plans],
-            call_cells=CALL_CELLS["cuda"]),
+            CALL_COST["cuda"]),
         "from_requests": lambda: PagedBatch.from_requests(
             [(p.new_tokens, p.cached_len, p.page_row, p.candidates) for p in plans]),
         "check": lambda: batch.check(pool, config.page_size, config.vocab_size, config.item_vocab),

@@ -58,7 +58,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
-from compute.batch import CALL_CELLS
+from compute.batch import CALL_COST
 from compute.build import read_build_key
 from compute.config import CONFIG_FILENAME
 from compute.graphs import GRAPH_STATS_KEYS
@@ -174,7 +174,7 @@ class TritonPythonModel:
         shapes = [(p.plan.new_tokens.numel() + p.plan.candidates.numel(), p.plan.cached_len + p.plan.new_tokens.numel())
                   for p in items]
         pool = self._attach_pool()
-        for group in plan_sub_batches(shapes, call_cells=CALL_CELLS[self.device.type]):
+        for group in plan_sub_batches(shapes, CALL_COST[self.device.type]):
             members = [items[j] for j in group]
             started = time.perf_counter()
             try:
