@@ -5,8 +5,9 @@ device), at other paddings, one call per user, and one padded call for the whole
     .venv/bin/python -m deploy.bench.sub_batches [--device cpu|cuda] [--model-dir DIR]
         [--batch-sizes 3 8 14] [--batches 20] [--report-dir deploy/reports]
 
-``--model-dir`` must hold the AOTI package for the device (the served model's folder by default;
-on a GPU host the folder ``deploy.serving_options.model_dir_for(config)`` names). Batches are
+``--model-dir``: the model folder (the served model's by default; on a GPU host the folder
+``deploy.serving_options.model_dir_for(config)`` names); its AOTI package for the device is built
+first when missing or stale. Batches are
 consecutive requests of the trace, so a late batch's users have their histories cached, as in
 steady serving. Each plan's calls are timed back to back on one batch, the scores copied to the
 host (so a GPU call is waited for); the median over ``--batches`` batches is printed per request.
@@ -28,6 +29,7 @@ from compute import HSTUConfig, PagedBatch, load_compiled, plan_sub_batches
 from compute.batch import CALL_COST, CallCost
 from deploy.bench.graph_shapes import demo_requests
 from deploy.bench.report import write_dated_report
+from deploy.launcher import build_model
 from deploy.runtime.settings import DEFAULT_MODEL_DIR
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
 
     config = HSTUConfig.load(options.model_dir)
+    build_model(options.model_dir, options.device)
     run = load_compiled(options.model_dir, options.device)
     requests = demo_requests(config, options.users, options.requests, options.median_events)
     pages = max(max(row, default=0) for _, _, row, _ in requests) + 1

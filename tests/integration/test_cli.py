@@ -1,6 +1,6 @@
 """The command-line tools as a user runs them, with small settings: `hstu-trace`, the demo
 (`python -m deploy.demo`, its own server) and a smoke run of `hstu-bench` (its own server, one
-sweep point, one repeat), and `python -m deploy.bench.control`."""
+sweep point, one repeat), `python -m deploy.bench.control` and `python -m deploy.bench.sub_batches`."""
 from __future__ import annotations
 
 import json
@@ -142,3 +142,21 @@ def test_bench_control_compares_the_default_and_the_models_gil_switch_interval(t
         (round(r["switch_interval_s"] * 1e3, 1), *(round(r[f"{k}_ms"], 3) for k in ("mean", "p50", "p90", "p99")))
         for r in runs], f"the printed comparison is not the report's: {done.stdout}"
     assert f"wrote {path}" in done.stdout, done.stdout
+
+
+def test_bench_sub_batches_times_each_way_to_split_a_batch(tmp_path: Path) -> None:
+    """Per batch size, the compiled forward's ms per request for the plan as served and the others
+    it is measured against, printed and written to the report (which plan wins is a measurement)."""
+    done = run([sys.executable, "-m", "deploy.bench.sub_batches", "--users", "6", "--requests", "30",
+                "--median-events", "40", "--batch-sizes", "2", "3", "--batches", "2", "--report-dir", str(tmp_path)])
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("sub-batches-*-cpu.json")
+    report = json.loads(path.read_text())
+    assert [row["batch_size"] for row in report["rows"]] == [2, 3], report
+    for row in report["rows"]:
+        assert list(row["ms_per_request"]) == ["as served (slack 1)", "slack 1.5", "one call per user",
+                                               "one padded call"], row
+        assert all(ms > 0 for ms in row["ms_per_request"].values()), row
+    assert report["call_cost"]["cpu"] == {"call_cells": 64 * 1024, "slack": 1.0}, report
+    assert re.search(r"batch of +3: as served \(slack 1\) [\d.]+, slack 1.5 [\d.]+", done.stdout), done.stdout
