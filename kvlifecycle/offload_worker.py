@@ -20,7 +20,7 @@ a round trip (``commit``) and queues the puts (``submit``) itself, as before the
 
 The puts are off the request's path: the worker thread submits one ``put_async`` per request
 for its pages (``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``),
-reporting each to the owner (``control.offload_done``) so the pages are unpinned. A put waits up
+reporting their pages to the owner in one call (``control.offload_done``) so they are unpinned. A put waits up
 to the store's RPC timeout when the store is slow or down; it never holds up a request. A failed
 commit leaves the leases to expire on the owner (the answer stands: the scores are right); a
 failed put is reported ``ok=False`` (the pages stay cached on the device, only the host copy is
@@ -59,10 +59,12 @@ class Offloader:
 
     ``launch(namespace, token_ids, items)`` submits one ``put_async`` for a commit's
     ``OffloadItem``s (under the lease's namespace, ``Committed.namespace``) and
-    returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and for each
-    finished put calls ``done(page_ids, ok)`` (``KVCacheManager.offload_done`` or
-    ``ControlClient.offload_done``) exactly once. A put that cannot be submitted is reported
-    ``ok=False`` at once. Puts are reaped in any order; each task's pages are reported together.
+    returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and reports
+    the pages of the puts it found finished with one ``done(page_ids, ok)`` per outcome
+    (``KVCacheManager.offload_done`` or ``ControlClient.offload_done``): each put's pages exactly
+    once, and one owner round trip per reap, not per put (one per request cost the owner's
+    control thread a round trip for nearly every request it served). A put that cannot be
+    submitted is reported ``ok=False`` at once. Puts are reaped in any order.
     Thread-safe (one lock around the pending table; store calls outside it)."""
 
     def __init__(self, store: "HostStoreClient", page_size: int,
@@ -130,6 +132,7 @@ class Offloader:
         except Exception:
             logger.warning("host store poll failed for %d puts", len(tasks), exc_info=True)
             return 0
+        finished: dict[bool, list[int]] = {True: [], False: []}  # pages by outcome
         reaped = 0
         for task in tasks:
             status = statuses.get(task)
@@ -144,8 +147,11 @@ class Offloader:
                 self.counters["puts_ok" if ok else "puts_failed"] += 1
                 self.counters["reaps"] += 1
                 self.counters["reap_latency_s_sum"] += time.monotonic() - submitted
-            self._report(page_ids, ok)
+            finished[ok].extend(page_ids)
             reaped += 1
+        for ok, page_ids in finished.items():
+            if page_ids:
+                self._report(page_ids, ok)
         return reaped
 
     def _report(self, page_ids: list[int], ok: bool) -> None:

@@ -193,6 +193,24 @@ def test_offload_pins_until_done_and_only_new_pages(smgr, store):
     assert [it.prefix_len for it in again] == [12]  # pages already offloaded are not offloaded again
 
 
+def test_a_reap_reports_every_finished_put_in_one_call(smgr, store):
+    """Two users' puts reaped together: their pages reach the owner in one ``done`` call (one
+    control round trip per reap in kv_offload, not one per put), each page once."""
+    calls = []
+    offloader = Offloader(store, S, lambda ids, ok: calls.append((sorted(ids), ok)) or smgr.offload_done(ids, ok))
+    pages = []
+    for user in (1, 2):
+        tokens = list(range(100 * user, 100 * user + 8))
+        _, items = serve(smgr, user, tokens)
+        offloader.launch("ns", tokens, items)
+        pages += [it.page_id for it in items]
+
+    assert offloader.reap() == 2 and offloader.pending == 0
+    assert calls == [(sorted(pages), True)]
+    assert smgr.stats()["pages_offload_pending"] == 0
+    baseline_ok(smgr)
+
+
 @pytest.mark.parametrize("reported", [None, 0, 2, 3])
 def test_a_readers_onboard_pages_it_reported_copied_are_not_offloaded_again(tiny_spec, store, clock, reported):
     """A host hit handed to the reader (hstu_compute copies from the store's shared slab): the
