@@ -20,8 +20,9 @@ a round trip (``commit``) and queues the puts (``submit``) itself, as before the
 
 The puts are off the request's path: the worker thread submits one ``put_async`` per request
 for its pages (``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``),
-reporting their pages to the owner in one call (``control.offload_done``) so they are unpinned. A put waits up
-to the store's RPC timeout when the store is slow or down; it never holds up a request. A failed
+reporting their pages to the owner in one call (``control.offload_done``) so they are unpinned.
+A put waits up to the store's RPC timeout when the store is slow or down; it never holds up a
+request. A failed
 commit leaves the leases to expire on the owner (the answer stands: the scores are right); a
 failed put is reported ``ok=False`` (the pages stay cached on the device, only the host copy is
 missing).
@@ -62,9 +63,8 @@ class Offloader:
     returns at once; ``reap()`` polls (``try_wait``) or ``flush(timeout_s)`` waits, and reports
     the pages of the puts it found finished with one ``done(page_ids, ok)`` per outcome
     (``KVCacheManager.offload_done`` or ``ControlClient.offload_done``): each put's pages exactly
-    once, and one owner round trip per reap, not per put (one per request cost the owner's
-    control thread a round trip for nearly every request it served). A put that cannot be
-    submitted is reported ``ok=False`` at once. Puts are reaped in any order.
+    once, and one owner round trip per reap rather than one per put (a put per request). A put
+    that cannot be submitted is reported ``ok=False`` at once. Puts are reaped in any order.
     Thread-safe (one lock around the pending table; store calls outside it)."""
 
     def __init__(self, store: "HostStoreClient", page_size: int,
