@@ -22,10 +22,9 @@ The puts are off the request's path: the worker thread submits one ``put_async``
 for its pages (``Offloader.launch``), and between turns reaps finished puts (``Offloader.reap``),
 reporting their pages to the owner in one call (``control.offload_done``) so they are unpinned.
 A put waits up to the store's RPC timeout when the store is slow or down; it never holds up a
-request. A failed
-commit leaves the leases to expire on the owner (the answer stands: the scores are right); a
-failed put is reported ``ok=False`` (the pages stay cached on the device, only the host copy is
-missing).
+request. A failed commit leaves the leases to expire on the owner (the answer stands: the scores
+are right); a failed put is reported ``ok=False`` (the pages stay cached on the device, only the
+host copy is missing).
 """
 from __future__ import annotations
 
