@@ -7,7 +7,8 @@
 #            pools; the FlexKV ones skip unless FlexKV is built: the flexkv stage builds it)
 #   stress   tests.reliability.stress on the GPU ($STRESS_SECONDS, default 240; 48 unary streams over the
 #            soak's small pool: host hits (--min-host-pages $STRESS_MIN_HOST_PAGES, default 2), evictions,
-#            offloads; every 50th answer checked; exit 1 on a failed request, a wrong score or a crash)
+#            offloads; every 50th answer checked; exit 1 on a failed request, a wrong score or a crash;
+#            the float32 model is built and a server started first: allow 100-150 s over $STRESS_SECONDS)
 #   floor    what an ensemble step costs with no work in it (deploy/bench/hops.py: identity models, 1
 #            step vs 3, c=1 and 32) and the owner's path hot and after 3 ms idle (deploy/bench/owner.py
 #            --idle-ms): the part of the c=1 gap that is this host's, not the models'
