@@ -27,13 +27,18 @@ request is computed: it reads what was copied and computes the rest (pages the s
 hold, or a failed or late copy, are computed; a copy that may still be running moves the request
 to fresh pages). The device hits' forward overlaps the copies' wait.
 
-Every request is answered in the list `execute` returns, never through a response sender
-(docs/ARCHITECTURE.md, "Batching on tritonserver 2.51"), so a batch with a host hit returns once
-that copy is settled (at most the owner's onboard wait). A plan that fails its checks is
-answered retryable; the scores go out sealed with a checksum row (`sealed_scores`).
+Answers (HSTU_COMPUTE_ANSWERS): with `thread`, `execute` launches each
+sub-batch's forward, checks the onboard copies it read, queues the scores' copy to the host and
+hands them to the answer thread (`deploy/runtime/answer_thread.py`), which sends each answer
+through its response sender once the scores are on the host; `execute` returns without waiting
+for the GPU, so the next batch's host work overlaps this one's GPU work. With `returned` (the
+default) `execute` waits for the scores and returns the answers. Errors are always returned. A batch with a store-copied host hit returns once that copy is settled (at most the
+owner's onboard wait). A plan that fails its checks is answered retryable; the scores go out
+sealed with a checksum row (`sealed_scores`).
 
 Every compiled forward runs on the thread that calls `execute` (the stub's main thread: it runs
-one `execute` at a time); the settler only waits on the control plane. One thread, because
+one `execute` at a time); the settler only waits on the control plane, the answer thread only on
+the scores. One thread, because
 OpenMP (the CPU package's intra-op threads) gives each OS thread that starts a parallel region a
 thread team of its own, and with more team threads than cores every barrier sleeps instead of
 spinning: once a second thread had computed too, every call of the CPU package took 2.5x as long
@@ -65,6 +70,7 @@ from compute.graphs import GRAPH_STATS_KEYS
 from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.cache_owner import open_store_client
+from deploy.runtime.answer_thread import AnswerThread, ScoredBatch
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.onboard_reader import OnboardReader, QueuedOnboard
 from deploy.runtime.settings import ServingSettings
@@ -72,6 +78,7 @@ from deploy.runtime.triton_io import Reply, error_response, input_tensor, output
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.commit_channel import CommitSender
 from kvlifecycle.control import ControlClient, OnboardOutcome
+from kvlifecycle.gil import hand_over_gil_promptly
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
 
@@ -107,6 +114,10 @@ class TritonPythonModel:
                                   *OnboardReader.STATS_KEYS],
                                  source=self._stats)
         self._settler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-compute-settler")
+        self.answers = None
+        if self.settings.compute_answers == "thread":
+            hand_over_gil_promptly()  # the answer thread seals and sends while execute runs
+            self.answers = AnswerThread(self._response, self._abort, self.stages)
         self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
                                      pin_s=self.settings.timeouts.onboard_wait_s)
                        if self.settings.store == "embedded" else None)
@@ -123,7 +134,7 @@ class TritonPythonModel:
                     self.namespace[:12])
 
     def execute(self, requests):
-        pending = [ComputeRequest() for _ in requests]
+        pending = [ComputeRequest(request) for request in requests]
         try:
             ready, onboarding, reading = [], [], []
             for p, request in zip(pending, requests):
@@ -142,7 +153,6 @@ class TritonPythonModel:
             if reading:  # copied from the store's slab, computed with the batch
                 self._read_onboards(reading)
             self._compute(ready + reading)  # while the store's onboards are settled
-            self._report_read(reading)  # before the answers: kv_offload commits on them
             if settled is not None:
                 self._compute(settled.result())
         except Exception as e:  # a bug: whatever is unanswered fails, not the instance
@@ -156,6 +166,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self._settler.shutdown()
+        if self.answers is not None:
+            self.answers.close()
         if self.reader is not None:
             self.reader.close()
             self.read_reports.close()
@@ -167,7 +179,7 @@ class TritonPythonModel:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _compute(self, items: list["ComputeRequest"]) -> None:
-        """Score `items` and answer each (on `execute`'s thread only)."""
+        """Score `items` and answer each, or hand it to the answer thread (on `execute`'s thread only)."""
         if not items:
             return
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
@@ -178,24 +190,38 @@ class TritonPythonModel:
             members = [items[j] for j in group]
             started = time.perf_counter()
             try:
-                scores = self._score(pool, [p.plan for p in members])
+                scores = self._launch(pool, [p.plan for p in members])  # on the device: queued, not awaited
             except Exception:
                 logger.warning("batch of %d failed; retrying one by one", len(members), exc_info=True)
                 for p in members:
                     self._read_intact(p)
                     p.answer(self._score_alone(pool, p.plan))
                 continue
-            # each request of the sub-batch spent the whole call in compute
-            seconds = time.perf_counter() - started
-            self.stages.add("compute", seconds, len(members))
-            self.stages.add("compute_call", seconds)
-            again = []
-            for p, s in zip(members, scores):
-                if self._read_intact(p):
-                    p.answer(self._response(s))
-                else:
-                    again.append(p)
-            self._compute(again)  # their copy read slab rows the store reused: computed without them
+            # a request whose copy read slab rows the store reused is computed again without them
+            again = [p for p in members if not self._read_intact(p)]
+            self._report_read(members)  # before the answers: kv_offload commits on them
+            candidates = [int(p.plan.candidates.numel()) for p in members]
+            if self.answers is not None:
+                host, ready = scores, None  # on the CPU the forward has run
+                if scores.is_cuda:
+                    host = scores.to("cpu", non_blocking=True)  # pinned: a copy queued behind the forward
+                    ready = torch.cuda.Event()
+                    ready.record()
+                self.answers.submit(ScoredBatch(ready, host, candidates,
+                                                [None if p in again else p.hand_over() for p in members],
+                                                [p.plan.lease_id for p in members], started))
+            else:
+                # To the host: the copy waits for the KV writes queued before it (kv_offload commits
+                # them next), and a host tensor leaves the Python backend without a CUDA IPC handle.
+                sealed = sealed_scores.seal_batch(scores.cpu(), candidates)
+                # each request of the sub-batch spent the whole call in compute
+                seconds = time.perf_counter() - started
+                self.stages.add("compute", seconds, len(members))
+                self.stages.add("compute_call", seconds)
+                for p, s in zip(members, sealed):
+                    if p not in again:
+                        p.answer(self._response(s))
+            self._compute(again)
 
     def _stats(self) -> dict[str, float]:
         reader = self.reader.stats() if self.reader is not None else dict.fromkeys(OnboardReader.STATS_KEYS, 0)
@@ -217,7 +243,8 @@ class TritonPythonModel:
 
     def _read_intact(self, p: "ComputeRequest") -> bool:
         """Whether the pages `p` read from the slab copy were right (or it read none); if not,
-        `p.plan` becomes the plan that computes them. Call once the forward that read them ran."""
+        `p.plan` becomes the plan that computes them. Call once the forward that reads them is
+        launched (this waits for the copy, not for the forward)."""
         if p.read is None:
             return True
         queued, i = p.read
@@ -232,7 +259,11 @@ class TritonPythonModel:
         """Tell the owner how many leading onboard pages of each lease of `items` were copied from
         the store (unsent, the commit offers them to the store again, which skips them)."""
         copied = [(p.plan.lease_id, p.copied_pages) for p in items if p.copied_pages]
-        if copied and not self.read_reports.report_read(*zip(*copied)):
+        if not copied:
+            return
+        for p in items:  # reported once, though a request computed again passes here twice
+            p.copied_pages = 0
+        if not self.read_reports.report_read(*zip(*copied)):
             logger.debug("hstu_compute: the owner's inbox did not take the report of %d leases", len(copied))
 
     def _model_dir(self, version_dir: Path) -> Path:
@@ -297,17 +328,16 @@ class TritonPythonModel:
         return request.after_onboard(outcome.cached_len - device_len,
                                      page_row=torch.as_tensor(outcome.page_row, dtype=torch.int64))
 
-    def _score(self, pool: PagePool, items: list[ComputePlan]) -> list[torch.Tensor]:
-        """Each request's scores, sealed (`sealed_scores`): [c + 1, num_tasks]."""
+    def _launch(self, pool: PagePool, items: list[ComputePlan]) -> torch.Tensor:
+        """The batch's scores [sum c, num_tasks] on the pool's device (on the GPU, queued)."""
         batch = PagedBatch.from_requests([(r.new_tokens, r.cached_len, r.page_row, r.candidates) for r in items])
-        # To the host: the copy waits for the KV writes queued before it (kv_offload commits them
-        # next), and a host tensor leaves the Python backend without a CUDA IPC handle per output.
-        scores = self.run(pool.tensor, batch).cpu()  # [sum c, num_tasks]
-        return sealed_scores.seal_batch(scores, [int(r.candidates.numel()) for r in items])
+        return self.run(pool.tensor, batch)
 
     def _score_alone(self, pool: PagePool, item: ComputePlan):
+        """The answer of `item` computed alone, returned (a retry after its batch failed)."""
         try:
-            return self._response(self._score(pool, [item])[0])
+            scores = self._launch(pool, [item]).cpu()
+            return self._response(sealed_scores.seal_batch(scores, [int(item.candidates.numel())])[0])
         except Exception as e:
             logger.error("hstu_compute failed on lease %d", item.lease_id, exc_info=True)
             self._abort(item.lease_id)  # its pages return now, not at lease expiry
@@ -336,12 +366,24 @@ class TritonPythonModel:
 
 
 class ComputeRequest(Reply):
-    """A request of a batch until it is answered, with its plan once parsed."""
+    """A request of a batch until it is answered (or handed to the answer thread), with its plan
+    once parsed."""
 
-    def __init__(self) -> None:
+    def __init__(self, request) -> None:
         super().__init__()
+        self.request = request
+        self.handed_over = False  # to the answer thread: execute returns None for it
         self.plan: ComputePlan | None = None
         # a host hit read from the store's slab: its plan before that, and (the batch's queued copy, its index)
         self.unread_plan: ComputePlan | None = None
         self.read: tuple[QueuedOnboard, int] | None = None
         self.copied_pages = 0  # of them, the leading onboard pages the copy got right
+
+    def hand_over(self):
+        """Its response sender, for the answer thread; `execute` answers it no more."""
+        self.handed_over = True
+        return self.request.get_response_sender()
+
+    def answer(self, response) -> None:
+        if not self.handed_over:
+            super().answer(response)
