@@ -79,8 +79,6 @@ class DramTier:
         else:
             self.slab = torch.empty((self.capacity_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
             self.slab.zero_()  # commit the memory now: the capacity is real, and copies never page-fault
-        # what the store's copies address (a shared slab's rows mapped into the device, on a CUDA host)
-        self.copy_rows = self.shared.copy_rows if self.shared is not None else self.slab
         self._rows: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self._free: list[int] = list(range(self.capacity_pages - 1, -1, -1))  # pop() -> row 0 first
         self._pinned: dict[int, float] = {}  # row -> CLOCK_MONOTONIC until which it is not evicted
