@@ -9,8 +9,9 @@ their keys (`ComputePlan.onboard_keys`). For a whole batch, `OnboardReader.start
    asks the store (`HostStoreClient.locate`: one round trip for those; the store pins the rows,
    reads disk-only pages into DRAM and answers the rows and their versions);
 2. queues the copy of the rows into the pool pages of each lease (`PageCopier.scatter`: on the GPU
-   one host-to-device copy per run of slab rows, on the stream that runs the forward) and
-   returns: the forward is queued after the copy on the GPU, so the host launches it meanwhile;
+   the device reads the slab's rows in place, the slab being mapped into its address space: one
+   copy of the ids and two indexed kernels, on the stream that runs the forward) and returns: the
+   forward is queued after the copy on the GPU, so the host launches it meanwhile;
 
 and once that forward has run, `OnboardReader.finish` keeps, per request, the leading pages whose
 slab row still has the version it was found at (`SharedSlab.unchanged`): a row the store
@@ -89,7 +90,7 @@ class OnboardReader:
                     queued.rows.append(np.asarray(found[:n], dtype=np.int64))
                     queued.versions.append(np.asarray(found_versions[:n], dtype=np.int64))
                     pages.append(plan.page_row[first:first + n].numpy())
-                queued.done = self._copier_for(pool).scatter(slab.rows, np.concatenate(queued.rows),
+                queued.done = self._copier_for(pool).scatter(slab.copy_rows, np.concatenate(queued.rows),
                                                              np.concatenate(pages), wait=False)
                 queued.slab = slab
                 queued.pages = [len(rows) for rows in queued.rows]

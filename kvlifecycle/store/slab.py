@@ -82,6 +82,13 @@ class SharedSlab:
         self._mask = layout.slots - 1
         self._registered = _cuda_register(flat) if pin else None
         self._flat = flat
+        # The rows as copies address them: on a CUDA host, the registered rows mapped into the
+        # device's address space (kernels read and write them in place, `PageCopier`), else the host view.
+        self.copy_rows = self.rows
+        if self._registered is not None:
+            mapped = _device_view(flat[:layout.rows_bytes])
+            if mapped is not None:
+                self.copy_rows = mapped.view(dtype).view(capacity_pages, *page_shape)
         self._inode = os.stat(path).st_ino
 
     # -- public API ---------------------------------------------------------------------
@@ -181,6 +188,7 @@ class SharedSlab:
         return self._versions[rows] == versions
 
     def close(self) -> None:
+        self.copy_rows = self.rows  # the device view is invalid once unregistered
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
@@ -290,6 +298,9 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+_REGISTER_PORTABLE, _REGISTER_MAPPED = 1, 2  # cudaHostRegister flags: pinned for every device, and mapped
+
+
 def _cuda_register(flat: torch.Tensor) -> int | None:
     """Page-lock the mapping for CUDA copies; its address, or None where it could not be (logged:
     copies then run at pageable speed)."""
@@ -297,10 +308,27 @@ def _cuda_register(flat: torch.Tensor) -> int | None:
         return None
     ptr = flat.data_ptr()
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, flat.numel(), 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, flat.numel(), _REGISTER_PORTABLE | _REGISTER_MAPPED))
     except Exception as e:  # a torch build without the binding
         err = repr(e)
     if err != 0:
         logger.warning("cudaHostRegister of the shared DRAM slab failed (%s); its copies run unpinned", err)
         return None
     return ptr
+
+
+def _device_view(flat: torch.Tensor) -> torch.Tensor | None:
+    """``flat`` (host memory registered mapped) as a CUDA tensor at the same address: with unified
+    addressing a registered mapping has one address on the host and on the device. None (logged:
+    copies then stage through a device buffer) where torch does not take it."""
+
+    class _Mapped:  # torch builds CUDA tensors from this interface, keeping the object alive
+        __cuda_array_interface__ = {"shape": (flat.numel(),), "typestr": "|u1", "data": (flat.data_ptr(), False),
+                                    "strides": None, "version": 3}
+
+    try:
+        return torch.as_tensor(_Mapped(), device="cuda")
+    except Exception as e:  # not mapped into this device's address space
+        logger.warning("the shared DRAM slab is not addressable from the device (%s); its copies stage "
+                       "through device memory", e)
+        return None

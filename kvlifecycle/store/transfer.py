@@ -7,8 +7,13 @@ contiguous run of bytes (a disk file, a Mooncake value).
 Every call moves all requested pages at once (``index_select`` / ``index_copy_``), never a
 Python loop per page. On CUDA the copies run on the copier's own stream and the call returns
 after that stream's event completed (``scatter(..., wait=False)``: queued on the caller's own
-stream instead, and returned at once); host memory should then be pinned, and host-side
-copies are issued per run of consecutive host rows (one ``copy_`` per run, usually one).
+stream instead, and returned at once). Host rows come in one of two forms:
+
+- a CUDA tensor: host memory registered and mapped into the device's address space (the shared
+  slab's ``copy_rows``). The device reads or writes the rows in place: one indexed kernel each
+  way and one copy of the row and page ids, whatever the rows' order, with no staging buffer;
+- a host tensor, which should be pinned: the pages are staged in device memory and moved by one
+  ``copy_`` per run of consecutive host rows (usually one).
 
 On the CPU a page of one layer is copied as one row of 64-bit words (``_word_rows``), straight
 between the pool and the host rows, one indexed copy per layer and run of host rows: torch's
@@ -46,7 +51,7 @@ class PageCopier:
         self.page_shape = host_page_shape(tuple(pool.shape))
         self._cuda = pool.is_cuda
         self._stream = torch.cuda.Stream(device=pool.device) if self._cuda else None
-        self._pool_words = None if self._cuda else _word_rows(pool)  # [L, P, W]: the CPU path's view
+        self._pool_words = _word_rows(pool)  # [L, P, W]: each page of each layer one row of words
 
     # -- public API ---------------------------------------------------------------------
 
@@ -64,10 +69,14 @@ class PageCopier:
             return
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
-            dev_pages = pages.to(self.pool.device, non_blocking=True)
-            staged = self.pool.index_select(1, dev_pages).transpose(0, 1).contiguous()  # [n, L, 2, S, H, D]
-            for start, row, length in _runs(rows):
-                out[row:row + length].copy_(staged[start:start + length], non_blocking=True)
+            if out.is_cuda:  # mapped host rows: the device writes them in place
+                dev_rows, dev_pages = self._ids_on_device(rows, pages)
+                _word_rows(out).index_copy_(0, dev_rows, self._pool_words.index_select(1, dev_pages).transpose(0, 1))
+            else:
+                dev_pages = pages.to(self.pool.device, non_blocking=True)
+                staged = self.pool.index_select(1, dev_pages).transpose(0, 1).contiguous()  # [n, L, 2, S, H, D]
+                for start, row, length in _runs(rows):
+                    out[row:row + length].copy_(staged[start:start + length], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()
@@ -106,14 +115,24 @@ class PageCopier:
         return None
 
     def _scatter_cuda(self, src: torch.Tensor, rows: np.ndarray, pages: torch.Tensor) -> None:
-        """``scatter``'s copies, queued on the current stream. ``staged`` and the page ids are
-        freed on it: the allocator reuses their blocks only for work queued on it later, so
-        returning before the copy ends is safe."""
+        """``scatter``'s copies, queued on the current stream. The ids and ``staged`` are freed on
+        it: the allocator reuses their blocks only for work queued on it later, so returning
+        before the copy ends is safe."""
+        if src.is_cuda:  # mapped host rows: the device reads them in place
+            dev_rows, dev_pages = self._ids_on_device(rows, pages)
+            self._pool_words.index_copy_(1, dev_pages, _word_rows(src).index_select(0, dev_rows).transpose(0, 1))
+            return
         staged = torch.empty((len(rows), *self.page_shape), dtype=self.pool.dtype, device=self.pool.device)
         for start, row, length in _runs(rows):
             staged[start:start + length].copy_(src[row:row + length], non_blocking=True)
         dev_pages = pages.to(self.pool.device, non_blocking=True)
         self.pool.index_copy_(1, dev_pages, staged.transpose(0, 1))
+
+    def _ids_on_device(self, rows: np.ndarray, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host rows and pool pages as device tensors, in one host-to-device copy."""
+        ids = torch.cat([torch.from_numpy(np.asarray(rows, dtype=np.int64)), pages]).to(self.pool.device,
+                                                                                       non_blocking=True)
+        return ids[:len(rows)], ids[len(rows):]
 
 
 # ---------------------------------------------------------------------------------------

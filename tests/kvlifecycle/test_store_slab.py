@@ -290,12 +290,14 @@ def test_a_reader_maps_the_store_memory_and_keeps_it_after_the_store_closed_it()
     reader.close()
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped-rows", "staged"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh pytest)")
-def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream() -> None:
+def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream(mapped: bool) -> None:
     """`scatter(..., wait=False)` returns before the copy ends, queued on the calling thread's
     stream; what that thread queues next (the forward, in hstu_compute) must still read the copied
-    pages. A big copy, so that a copy queued on another stream would be read before it landed."""
+    pages. A big copy, so that a copy queued on another stream would be read before it landed.
+    Both forms of host rows: mapped into the device (read in place) and staged."""
     spec = PoolSpec(num_layers=4, num_pages=1024, page_size=32, num_heads=4, head_dim=128, dtype="bfloat16",
                     device="cuda")
     slab = SharedSlab.create(512, host_page_shape(spec.shape), spec.torch_dtype, pin=True)
@@ -304,10 +306,39 @@ def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream() -> None:
             pool.tensor.zero_()
             slab.rows.copy_(torch.randn(slab.rows.shape, dtype=torch.float32).to(spec.torch_dtype))
             rows, pages = np.arange(512, dtype=np.int64), np.arange(100, 612, dtype=np.int64)
-            done = PageCopier(pool.tensor).scatter(slab.rows, rows, pages, wait=False)
+            done = PageCopier(pool.tensor).scatter(slab.copy_rows if mapped else slab.rows, rows, pages, wait=False)
             read = pool.tensor[:, 100:612].transpose(0, 1).contiguous()  # on the caller's stream, queued next
             assert torch.equal(read.cpu(), slab.rows), "the caller's stream read the pages before the copy landed"
             done.synchronize()
             assert done.query(), "the event recorded after the copy completes once the copy ended"
     finally:
         slab.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh pytest)")
+def test_copies_through_the_mapped_slab_move_each_page_to_its_row_in_any_order() -> None:
+    """A pinned slab's `copy_rows` is its rows mapped into the device (same address); the store's
+    offload writes pool pages into scattered rows through it and an onboard reads them back into
+    other pages, in one indexed kernel each way."""
+    spec = PoolSpec(num_layers=3, num_pages=256, page_size=16, num_heads=2, head_dim=64, dtype="bfloat16",
+                    device="cuda")
+    slab = SharedSlab.create(64, host_page_shape(spec.shape), spec.torch_dtype, pin=True)
+    try:
+        assert slab.copy_rows.is_cuda and slab.copy_rows.data_ptr() == slab.rows.data_ptr(), (
+            "a pinned slab on a CUDA host is addressed by the device in place")
+        with PagePool.create(spec) as pool:
+            pool.tensor.copy_(torch.randn(pool.tensor.shape, dtype=torch.float32).to(spec.torch_dtype))
+            rng = np.random.default_rng(0)
+            rows = rng.permutation(64)[:20].astype(np.int64)
+            pages = rng.permutation(128)[:20].astype(np.int64)
+            copier = PageCopier(pool.tensor)
+            copier.gather(pages, slab.copy_rows, rows)
+            for row, page in zip(rows, pages):
+                assert torch.equal(slab.rows[row], pool.tensor[:, page].cpu()), f"row {row} does not hold page {page}"
+            targets = np.arange(200, 220, dtype=np.int64)
+            copier.scatter(slab.copy_rows, rows, targets)
+            assert torch.equal(pool.tensor[:, targets].cpu(), pool.tensor[:, pages].cpu())
+    finally:
+        slab.close()
+    assert not slab.copy_rows.is_cuda, "a closed slab no longer offers its unregistered device view"

@@ -24,8 +24,8 @@ class InjectedFault(RuntimeError):
 
 
 class TritonPythonModel(_real.TritonPythonModel):
-    def _score(self, pool, items):
+    def _launch(self, pool, items):
         for i, item in enumerate(items):
             if bool((item.candidates == FAULT_CANDIDATE).any()):
                 raise InjectedFault(f"injected fault (test): candidate {FAULT_CANDIDATE} in request {i} of the batch")
-        return super()._score(pool, items)
+        return super()._launch(pool, items)
