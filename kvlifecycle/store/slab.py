@@ -33,7 +33,8 @@ that costs a ``locate`` or a recompute, never a wrong page. The order of the sto
 what readers rely on: x86-64 keeps stores, and loads, in program order.
 
 On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), so the
-store's offload copies and the reader's onboard copies run at pinned speed. Where no memfd can be
+store's offload copies run at pinned speed; the registration maps it into the device's address
+space too, and the reader's onboard copies read the rows there in place (``copy_rows``). Where no memfd can be
 made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private (the reader's
 ``locate`` is then refused and host hits take the store's copy path).
 """
@@ -82,8 +83,8 @@ class SharedSlab:
         self._mask = layout.slots - 1
         self._registered = _cuda_register(flat) if pin else None
         self._flat = flat
-        # The rows as copies address them: on a CUDA host, the registered rows mapped into the
-        # device's address space (kernels read and write them in place, `PageCopier`), else the host view.
+        # The rows as the reader's copy addresses them: on a CUDA host, the registered rows mapped into
+        # the device's address space (its kernels read them in place, `PageCopier.scatter`), else the host view.
         self.copy_rows = self.rows
         if self._registered is not None:
             mapped = _device_view(flat[:layout.rows_bytes])

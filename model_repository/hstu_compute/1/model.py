@@ -12,11 +12,12 @@ names the onboard pages' keys (`onboard_keys`). `execute` finds where the batch'
 store's shared slab (its index, read without a round trip; `locate` asks the store for pages the
 index does not show), queues their copy into the pool on the forward's own stream
 (`OnboardReader.start`), and computes those requests with the rest of the batch: the forward runs
-after the copy on the GPU, and the host does not wait for it. Once the forward has run, a request
-whose slab rows the store reused meanwhile is computed again without them (`OnboardReader.finish`);
-a page the store no longer holds is computed in the first place. Before it answers, `execute`
-tells the owner how many pages of each lease it copied (one datagram for the batch,
-`CommitSender.report_read`), so that their commit does not offload them back to the store.
+after the copy on the GPU, and the host does not wait for it. Once the forward is launched and the
+copy has ended, a request whose slab rows the store reused meanwhile is computed again without
+them (`OnboardReader.finish`); a page the store no longer holds is computed in the first place.
+Before it answers, `execute` tells the owner how many pages of each lease it copied (one datagram
+per sub-batch, `CommitSender.report_read`), so that their commit does not offload them back to
+the store.
 
 Onboarding by the store (a store whose DRAM tier is not shared, or HSTU_HOST_HIT_COPY=store):
 kv_lookup_alloc answers a request with pages beyond its device prefix before the
@@ -27,19 +28,18 @@ request is computed: it reads what was copied and computes the rest (pages the s
 hold, or a failed or late copy, are computed; a copy that may still be running moves the request
 to fresh pages). The device hits' forward overlaps the copies' wait.
 
-Answers (HSTU_COMPUTE_ANSWERS): with `thread`, `execute` launches each
-sub-batch's forward, checks the onboard copies it read, queues the scores' copy to the host and
-hands them to the answer thread (`deploy/runtime/answer_thread.py`), which sends each answer
-through its response sender once the scores are on the host; `execute` returns without waiting
-for the GPU, so the next batch's host work overlaps this one's GPU work. With `returned` (the
-default) `execute` waits for the scores and returns the answers. Errors are always returned. A batch with a store-copied host hit returns once that copy is settled (at most the
-owner's onboard wait). A plan that fails its checks is answered retryable; the scores go out
-sealed with a checksum row (`sealed_scores`).
+Answers (HSTU_COMPUTE_ANSWERS): with `returned` (the default) `execute` waits for each forward's
+scores and returns the answers. With `thread` it launches each sub-batch's forward, checks the
+onboard copies it read, queues the scores' copy to the host and hands them to the answer thread
+(`deploy/runtime/answer_thread.py`), which sends each answer through its response sender once the
+scores are on the host; `execute` returns without waiting for the GPU, so the next batch's host
+work overlaps this one's GPU work. Errors are always returned. A batch with a store-copied host
+hit returns once that copy is settled (at most the owner's onboard wait). A plan that fails its
+checks is answered retryable; the scores go out sealed with a checksum row (`sealed_scores`).
 
 Every compiled forward runs on the thread that calls `execute` (the stub's main thread: it runs
 one `execute` at a time); the settler only waits on the control plane, the answer thread only on
-the scores. One thread, because
-OpenMP (the CPU package's intra-op threads) gives each OS thread that starts a parallel region a
+the scores. One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread that starts a parallel region a
 thread team of its own, and with more team threads than cores every barrier sleeps instead of
 spinning: once a second thread had computed too, every call of the CPU package took 2.5x as long
 on the 2-core CPU machine. Computing on `execute`'s own thread rather than on a thread of its own
