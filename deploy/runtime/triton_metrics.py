@@ -100,9 +100,10 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 # allocate and onboard_launch (starting a host hit's copy) in the owner; onboard (the wait for
 # that copy) and compute (batch assembly, the compiled call, the KV write) in hstu_compute; commit
 # in kv_offload. hstu_monolithic publishes none (one execute does every stage: Triton's statistics
-# time it). Triton's own statistics give each model's queue time. compute_call is the one stage counted per compiled call, not per
-# request: hstu_compute splits a batch of unlike shapes into several calls (plan_sub_batches), and
-# compute's count over compute_call's is the requests per call.
+# time it). Triton's own statistics give each model's queue time. compute_call is the one stage
+# counted per compiled call, not per request: hstu_compute splits a batch of unlike shapes into
+# several calls (plan_sub_batches), and compute's count over compute_call's is the requests per
+# call. With hstu_compute's answer thread, both run from the launch to the scores on the host.
 STAGES = ("apply_commits", "lookup", "allocate", "onboard_launch", "onboard", "compute", "compute_call", "commit")
 for _stage in STAGES:
     _SERIES[f"stage_{_stage}_s_sum"] = ("hstu_kv_stage_seconds_sum", "counter",
