@@ -151,7 +151,13 @@ def test_compute_raising_on_one_request_fails_it_alone_and_returns_its_pages(fau
 
         outcomes = send_in_order(fault_server, [[long], good[:1], [bad], good[1:]])
 
-        batches = ModelStats.read(fault_server, COMPUTE) - compute_before
+        # Triton counts a batch once its execute has returned, which may be after the clients got
+        # their answers: wait for the count rather than read it once.
+        def counted(before: ModelStats = compute_before) -> ModelStats | None:
+            batches = ModelStats.read(fault_server, COMPUTE) - before
+            return batches if batches.inferences >= 7 else None
+
+        batches = wait_for(counted, 10, "hstu_compute's 7 inferences counted")
         assert batches.inferences == 7, batches
         failed = outcomes.pop(2)
         assert isinstance(failed, RequestFailed) and "injected fault" in str(failed), repr(failed)
