@@ -83,7 +83,8 @@ class ServingSettings:
     # How hstu_compute answers: "returned" (execute waits for each forward's scores and returns the
     # answers) or "thread" (execute launches the forward and returns; a thread of its own sends each
     # answer through its response sender once the scores reach the host, so the next batch's host
-    # work overlaps this one's GPU work). Returned until the thread is measured on the GPU.
+    # work overlaps this one's GPU work). Returned by default: on an H100 the thread with CUDA graphs
+    # cut c=1's p50 but did not raise c=32, where kv_lookup_alloc was the bound (README).
     compute_answers: str = "returned"
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
