@@ -13,7 +13,8 @@ their keys (`ComputePlan.onboard_keys`). For a whole batch, `OnboardReader.start
    copy of the ids and two indexed kernels, on the stream that runs the forward) and returns: the
    forward is queued after the copy on the GPU, so the host launches it meanwhile;
 
-and once that forward has run, `OnboardReader.finish` keeps, per request, the leading pages whose
+and once that forward is launched, `OnboardReader.finish` waits for the copy alone (an event
+recorded after it) and keeps, per request, the leading pages whose
 slab row still has the version it was found at (`SharedSlab.unchanged`): a row the store
 reused meanwhile is never taken as the page; hstu_compute computes such a request again.
 

@@ -34,9 +34,9 @@ what readers rely on: x86-64 keeps stores, and loads, in program order.
 
 On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), so the
 store's offload copies run at pinned speed; the registration maps it into the device's address
-space too, and the reader's onboard copies read the rows there in place (``copy_rows``). Where no memfd can be
-made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private (the reader's
-``locate`` is then refused and host hits take the store's copy path).
+space too, and the reader's onboard copies read the rows there in place (``copy_rows``). Where no
+memfd can be made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private
+(the reader's ``locate`` is then refused and host hits take the store's copy path).
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ Every compiled forward runs on the thread that calls `execute` (the stub's main 
 one `execute` at a time); the settler only waits on the control plane, the answer thread only on
 the scores. One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread
 that starts a parallel region a thread team of its own, and with more team threads than cores
-every barrier sleeps instead of spinning: once a second thread had computed too, every call of the CPU package took 2.5x as long
-on the 2-core CPU machine. Computing on `execute`'s own thread rather than on a thread of its own
+every barrier sleeps instead of spinning: once a second thread had computed too, every call of
+the CPU package took 2.5x as long on the 2-core CPU machine. Computing on `execute`'s own thread rather than on a thread of its own
 is the simpler of the two, and measured no slower (docs/ARCHITECTURE.md, hstu_compute).
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
