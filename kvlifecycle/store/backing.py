@@ -143,7 +143,7 @@ class LocalBacking(Backing):
             self._counters["put_pages_over_capacity"] += len(fresh) - len(rows)
             fresh = fresh[: len(rows)]  # keep the prefix: it is what later lookups match first
         try:
-            copier.gather(pool_pages[fresh], self.dram.slab, np.asarray(rows, dtype=np.int64))
+            copier.gather(pool_pages[fresh], self.dram.copy_rows, np.asarray(rows, dtype=np.int64))
         except BaseException:
             with self._lock:
                 self.dram.release(rows)
@@ -189,7 +189,7 @@ class LocalBacking(Backing):
                 return Status.NOTFOUND
             loaded.append(page)
         present = [i for i, row in enumerate(rows) if row is not None]
-        copier.scatter(self.dram.slab, np.asarray([rows[i] for i in present], dtype=np.int64), pool_pages[present])
+        copier.scatter(self.dram.copy_rows, np.asarray([rows[i] for i in present], dtype=np.int64), pool_pages[present])
         if loaded:
             from_disk = torch.stack(loaded)  # [m, L, 2, S, H, D]
             if self._pin_memory:

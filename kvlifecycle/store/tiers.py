@@ -89,6 +89,12 @@ class DramTier:
     def __len__(self) -> int:
         return len(self._rows)
 
+    @property
+    def copy_rows(self) -> torch.Tensor:
+        """What the store's own copies address: on a CUDA host, a shared slab's rows mapped into
+        the device (the device reads and writes them in place); else ``slab``."""
+        return self.shared.copy_rows if self.shared is not None else self.slab
+
     def holds(self, key: bytes) -> bool:
         return key in self._rows
 

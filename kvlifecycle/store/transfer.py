@@ -7,13 +7,14 @@ contiguous run of bytes (a disk file, a Mooncake value).
 Every call moves all requested pages at once (``index_select`` / ``index_copy_``), never a
 Python loop per page. On CUDA the copies run on the copier's own stream and the call returns
 after that stream's event completed (``scatter(..., wait=False)``: queued on the caller's own
-stream instead, and returned at once). Host rows should be pinned: the pages are staged in
-device memory and moved by one ``copy_`` per run of consecutive host rows (usually one). An
-onboard's source may also be a CUDA tensor over host memory mapped into the device's address
-space (the shared slab's ``copy_rows``, which hstu_compute's reader copies from): the device then
-reads the rows in place, one copy of the row and page ids and two indexed kernels whatever the
-rows' order, with no staging buffer. The store's own copies stage as above: reading and writing
-its rows in place is not measured against staging.
+stream instead, and returned at once). Host rows come in one of two forms:
+
+- a CUDA tensor over host memory registered and mapped into the device's address space (the
+  shared slab's ``copy_rows``, which hstu_compute's reader and the store's own copies address):
+  the device reads or writes the rows in place, one copy of the row and page ids and two indexed
+  kernels whatever the rows' order, with no staging buffer;
+- a host tensor, which should be pinned: the pages are staged in device memory and moved by one
+  ``copy_`` per run of consecutive host rows (usually one).
 
 On the CPU a page of one layer is copied as one row of 64-bit words (``_word_rows``), straight
 between the pool and the host rows, one indexed copy per layer and run of host rows: torch's
@@ -69,10 +70,14 @@ class PageCopier:
             return
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
-            dev_pages = pages.to(self.pool.device, non_blocking=True)
-            staged = self.pool.index_select(1, dev_pages).transpose(0, 1).contiguous()  # [n, L, 2, S, H, D]
-            for start, row, length in _runs(rows):
-                out[row:row + length].copy_(staged[start:start + length], non_blocking=True)
+            if out.is_cuda:  # mapped host rows: the device writes them in place
+                dev_rows, dev_pages = self._ids_on_device(rows, pages)
+                _word_rows(out).index_copy_(0, dev_rows, self._pool_words.index_select(1, dev_pages).transpose(0, 1))
+            else:
+                dev_pages = pages.to(self.pool.device, non_blocking=True)
+                staged = self.pool.index_select(1, dev_pages).transpose(0, 1).contiguous()  # [n, L, 2, S, H, D]
+                for start, row, length in _runs(rows):
+                    out[row:row + length].copy_(staged[start:start + length], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()

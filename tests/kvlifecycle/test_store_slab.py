@@ -317,9 +317,10 @@ def test_a_queued_copy_is_read_by_the_next_work_on_the_callers_stream(mapped: bo
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by deploy/gpu_run.sh pytest)")
-def test_an_onboard_through_the_mapped_slab_moves_each_row_to_its_page_in_any_order() -> None:
-    """A pinned slab's `copy_rows` is its rows mapped into the device (same address); the reader's
-    onboard reads scattered rows through it into the pool in place (one indexed kernel)."""
+def test_copies_through_the_mapped_slab_move_each_page_to_its_row_and_back_in_any_order() -> None:
+    """A pinned slab's `copy_rows` is its rows mapped into the device (same address). An onboard
+    (the reader's, or the store's) reads scattered rows through it into the pool in place, and the
+    store's offload writes pool pages into scattered rows through it: one indexed kernel each way."""
     spec = PoolSpec(num_layers=3, num_pages=256, page_size=16, num_heads=2, head_dim=64, dtype="bfloat16",
                     device="cuda")
     slab = SharedSlab.create(64, host_page_shape(spec.shape), spec.torch_dtype, pin=True)
@@ -335,6 +336,11 @@ def test_an_onboard_through_the_mapped_slab_moves_each_row_to_its_page_in_any_or
             PageCopier(pool.tensor).scatter(slab.copy_rows, rows, pages)
             for row, page in zip(rows, pages):
                 assert torch.equal(pool.tensor[:, page].cpu(), slab.rows[row]), f"page {page} does not hold row {row}"
+            pool.tensor[:, 100:120].copy_(torch.randn(pool.tensor[:, 100:120].shape, device="cuda").to(spec.torch_dtype))
+            out_rows = rng.permutation(64)[:20].astype(np.int64)
+            PageCopier(pool.tensor).gather(np.arange(100, 120, dtype=np.int64), slab.copy_rows, out_rows)
+            for page, row in zip(range(100, 120), out_rows):
+                assert torch.equal(slab.rows[row], pool.tensor[:, page].cpu()), f"row {row} does not hold page {page}"
     finally:
         slab.close()
     assert not slab.copy_rows.is_cuda, "a closed slab no longer offers its unregistered device view"
