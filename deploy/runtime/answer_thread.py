@@ -5,7 +5,7 @@ queues the copy of its scores to pinned host memory behind it, records an event,
 to this thread (`AnswerThread.submit`) and returns. The stub takes the next batch while the GPU
 computes this one: the next batch's host work (parsing, batching, launching) overlaps this one's
 GPU time, which a forward replayed from a CUDA graph leaves almost entirely to the GPU. The thread
-waits for the event (the GIL released), seals the scores (`sealed_scores`) and sends each answer
+waits for the event (the GIL released), has the scores sealed into answers and sends each one
 through its request's response sender: tritonserver's Python backend (24.06 on) lets a
 non-decoupled model answer a request once through its sender; `execute` returns None for it.
 
@@ -26,7 +26,6 @@ from typing import Any, Callable
 import torch
 import triton_python_backend_utils as pb_utils
 
-from deploy.runtime import sealed_scores
 from deploy.runtime.triton_io import error_response
 from deploy.runtime.triton_metrics import StageTimer
 
@@ -52,9 +51,9 @@ class ScoredBatch:
 class AnswerThread:
     """Answers `ScoredBatch`es in order, from one daemon thread (module docstring)."""
 
-    def __init__(self, respond: Callable[[torch.Tensor], Any], abort: Callable[[int], None],
+    def __init__(self, respond: Callable[[torch.Tensor, list[int]], list[Any]], abort: Callable[[int], None],
                  stages: StageTimer) -> None:
-        self._respond = respond  # sealed scores [c + 1, num_tasks] -> InferenceResponse
+        self._respond = respond  # (host scores [sum c, num_tasks], each member's c) -> each member's answer
         self._abort = abort
         self._stages = stages  # the thread adds the stages "compute" and "compute_call"
         self._queue: queue.SimpleQueue[ScoredBatch | None] = queue.SimpleQueue()
@@ -79,10 +78,9 @@ class AnswerThread:
             if batch.ready is not None:
                 batch.ready.synchronize()  # the GIL is released while it waits
             seconds = time.perf_counter() - batch.started
-            self._stages.add("compute", seconds, len(batch.senders))
+            self._stages.add("compute", seconds, len(answered))  # one computed again counts once, there
             self._stages.add("compute_call", seconds)
-            sealed = sealed_scores.seal_batch(batch.scores, batch.candidates)
-            responses = {i: self._respond(sealed[i]) for i in answered}
+            responses = dict(enumerate(self._respond(batch.scores, batch.candidates)))
         except Exception as e:  # the forward failed on the device: its requests fail, their pages return
             logger.error("hstu_compute: a batch of %d failed on the device", len(batch.senders), exc_info=True)
             for i in answered:

@@ -117,7 +117,7 @@ class TritonPythonModel:
         self.answers = None
         if self.settings.compute_answers == "thread":
             hand_over_gil_promptly()  # the answer thread seals and sends while execute runs
-            self.answers = AnswerThread(self._response, self._abort, self.stages)
+            self.answers = AnswerThread(self._responses, self._abort, self.stages)
         self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
                                      pin_s=self.settings.timeouts.onboard_wait_s)
                        if self.settings.store == "embedded" else None)
@@ -198,7 +198,8 @@ class TritonPythonModel:
                     p.answer(self._score_alone(pool, p.plan))
                 continue
             # a request whose copy read slab rows the store reused is computed again without them
-            again = [p for p in members if not self._read_intact(p)]
+            intact = [self._read_intact(p) for p in members]
+            again = [p for p, ok in zip(members, intact) if not ok]
             self._report_read(members)  # before the answers: kv_offload commits on them
             candidates = [int(p.plan.candidates.numel()) for p in members]
             if self.answers is not None:
@@ -208,19 +209,19 @@ class TritonPythonModel:
                     ready = torch.cuda.Event()
                     ready.record()
                 self.answers.submit(ScoredBatch(ready, host, candidates,
-                                                [None if p in again else p.hand_over() for p in members],
+                                                [p.hand_over() if ok else None for p, ok in zip(members, intact)],
                                                 [p.plan.lease_id for p in members], started))
             else:
                 # To the host: the copy waits for the KV writes queued before it (kv_offload commits
                 # them next), and a host tensor leaves the Python backend without a CUDA IPC handle.
-                sealed = sealed_scores.seal_batch(scores.cpu(), candidates)
-                # each request of the sub-batch spent the whole call in compute
+                responses = self._responses(scores.cpu(), candidates)
+                # each request it answers spent the whole call in compute (one computed again counts once, there)
                 seconds = time.perf_counter() - started
-                self.stages.add("compute", seconds, len(members))
+                self.stages.add("compute", seconds, sum(intact))
                 self.stages.add("compute_call", seconds)
-                for p, s in zip(members, sealed):
-                    if p not in again:
-                        p.answer(self._response(s))
+                for p, ok, response in zip(members, intact, responses):
+                    if ok:
+                        p.answer(response)
             self._compute(again)
 
     def _stats(self) -> dict[str, float]:
@@ -336,8 +337,7 @@ class TritonPythonModel:
     def _score_alone(self, pool: PagePool, item: ComputePlan):
         """The answer of `item` computed alone, returned (a retry after its batch failed)."""
         try:
-            scores = self._launch(pool, [item]).cpu()
-            return self._response(sealed_scores.seal_batch(scores, [int(item.candidates.numel())])[0])
+            return self._responses(self._launch(pool, [item]).cpu(), [int(item.candidates.numel())])[0]
         except Exception as e:
             logger.error("hstu_compute failed on lease %d", item.lease_id, exc_info=True)
             self._abort(item.lease_id)  # its pages return now, not at lease expiry
@@ -345,10 +345,11 @@ class TritonPythonModel:
             # other than the owner wrote it (it validated the request): resending it is right.
             return error_response(f"hstu_compute: {e}", retryable=isinstance(e, ValueError))
 
-    def _response(self, sealed: torch.Tensor):
-        return pb_utils.InferenceResponse(output_tensors=[
-            output_tensor("candidate_scores", sealed.unsqueeze(0)),  # [1, c + 1, num_tasks]
-        ])
+    def _responses(self, scores: torch.Tensor, candidates: list[int]) -> list:
+        """The answer of each request of a forward: its rows of the host `scores` [sum c, num_tasks]
+        (`candidates`: each request's c, in order), sealed with their checksum row."""
+        return [pb_utils.InferenceResponse(output_tensors=[output_tensor("candidate_scores", sealed.unsqueeze(0))])
+                for sealed in sealed_scores.seal_batch(scores, candidates)]  # each [1, c + 1, num_tasks]
 
     def _abort(self, lease_id: int) -> None:
         try:
