@@ -260,8 +260,8 @@ class Cluster:
 
 # ---- command line ------------------------------------------------------------------------------
 
-CLUSTER_OPTIONS = ("device", "pool_pages", "lease_ttl_s", "store_timeout_s", "min_host_pages", "cuda_graphs",
-                   "compute_answers")  # ServingSettings options of every server
+CLUSTER_OPTIONS = ("device", "pool_pages", "lease_ttl_s", "store_timeout_s", "min_host_pages",
+                   "cuda_graphs")  # ServingSettings options of every server
 
 
 def parse_args(argv: list[str] | None = None) -> ClusterConfig:

@@ -41,7 +41,7 @@ def cache_metrics(metrics_url: str) -> list[Sample]:
 
 
 STEPS = (LOOKUP, COMPUTE, OFFLOAD)  # the ensemble's steps, whose batches the demo reports
-DEMO_OPTIONS = ("device", "pool_pages", "store", "host_hit_copy", "cuda_graphs", "compute_answers")  # the ServingSettings fields the demo takes as options
+DEMO_OPTIONS = ("device", "pool_pages", "store", "host_hit_copy", "cuda_graphs")  # the ServingSettings fields the demo takes as options
 
 
 def main(argv: list[str] | None = None) -> int:

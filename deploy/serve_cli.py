@@ -48,7 +48,6 @@ a .pth file), then `. .flexkv/env.sh` (its library path) in the shell that runs 
 
 
 SERVE_OPTIONS = ("device", "store", "pool_pages", "lease_ttl_s", "store_timeout_s", "min_host_pages", "host_hit_copy", "cuda_graphs",
-                 "compute_answers",
                  "mooncake_segment_bytes", "mooncake_local_hostname")  # the ServingSettings fields hstu-serve takes as options
 
 

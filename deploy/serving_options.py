@@ -19,7 +19,7 @@ import shutil
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from deploy.runtime.settings import (COMPUTE_ANSWERS, DEFAULT_MODEL_DIR, DEVICES, HOST_HIT_COPIERS, REPO_ROOT,
+from deploy.runtime.settings import (DEFAULT_MODEL_DIR, DEVICES, HOST_HIT_COPIERS, REPO_ROOT,
                                      STORE_KINDS, ServingSettings)
 
 # ServingSettings field -> its option's help. Choices come from the settings module's own lists.
@@ -39,15 +39,11 @@ HELP: dict[str, str] = {
                       "flexkv and mooncake)"),
     "cuda_graphs": ("--device cuda: the most CUDA graphs of the compiled forward hstu_compute keeps, one per "
                     "bucketed batch shape (0: none, every batch calls the package)"),
-    "compute_answers": ("how hstu_compute answers: returned (from execute, once the forward's scores are on the "
-                        "host), thread (execute launches the forward and returns; a thread sends each answer "
-                        "through its response sender, so the next batch's host work overlaps this one's GPU work)"),
     "mooncake_segment_bytes": ("--store mooncake: host memory the store process gives the tier "
                                "(0: memory nodes hold it)"),
     "mooncake_local_hostname": "--store mooncake: the address Mooncake peers reach this host on",
 }
-CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "store": STORE_KINDS, "host_hit_copy": HOST_HIT_COPIERS,
-                                       "compute_answers": COMPUTE_ANSWERS}
+CHOICES: dict[str, tuple[str, ...]] = {"device": DEVICES, "store": STORE_KINDS, "host_hit_copy": HOST_HIT_COPIERS}
 
 
 def add_serving_options(parser: argparse.ArgumentParser, names: tuple[str, ...], **defaults: object) -> None:

@@ -47,7 +47,7 @@ from deploy.serving_options import add_serving_options, serving_settings
 logger = logging.getLogger("hstu-bench")
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
-BENCH_OPTIONS = ("device", "store", "pool_pages", "host_hit_copy", "cuda_graphs", "compute_answers")  # the ServingSettings fields hstu-bench takes as options
+BENCH_OPTIONS = ("device", "store", "pool_pages", "host_hit_copy", "cuda_graphs")  # the ServingSettings fields hstu-bench takes as options
 
 
 def main(argv: list[str] | None = None) -> int:

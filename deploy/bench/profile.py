@@ -34,7 +34,7 @@ from deploy.runtime.schema import ENSEMBLE, MONOLITHIC
 from deploy.server_stats import hop_stats, read_model_stats
 from deploy.serving_options import add_serving_options, serving_settings
 
-SERVE_OPTIONS = ("device", "store", "pool_pages", "cuda_graphs", "compute_answers")
+SERVE_OPTIONS = ("device", "store", "pool_pages", "cuda_graphs")
 
 STUB = "triton_python_backend_stub"
 

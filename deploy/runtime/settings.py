@@ -23,7 +23,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_REPOSITORY = DEFAULT_MODEL_DIR.parents[1]
 DEVICES = ("cpu", "cuda")
 HOST_HIT_COPIERS = ("reader", "store")
-COMPUTE_ANSWERS = ("returned", "thread")
 
 _PREFIX = "HSTU_"
 
@@ -80,12 +79,6 @@ class ServingSettings:
     # batch shape (compute.graphs; CUDA_GRAPHS is a trace's worth); 0 calls the package directly
     # every time. Ignored on the CPU. Off until measured on the GPU.
     cuda_graphs: int = 0
-    # How hstu_compute answers: "returned" (execute waits for each forward's scores and returns the
-    # answers) or "thread" (execute launches the forward and returns; a thread of its own sends each
-    # answer through its response sender once the scores reach the host, so the next batch's host
-    # work overlaps this one's GPU work). Returned by default: on an H100 the thread with CUDA graphs
-    # cut c=1's p50 but did not raise c=32, where kv_lookup_alloc was the bound (README).
-    compute_answers: str = "returned"
     # mooncake only, read by the launcher for the store process (the one Mooncake client of a
     # server; no model process runs one): host memory it gives the shared tier (0: the cluster's
     # memory nodes hold every object, so stopping a server loses nothing), and the address other
@@ -104,8 +97,6 @@ class ServingSettings:
             raise ValueError(f"HSTU_POOL_PAGES={self.pool_pages}: need at least 2 pages")
         if self.cuda_graphs < 0:
             raise ValueError(f"HSTU_CUDA_GRAPHS={self.cuda_graphs}: expected >= 0 graphs (0: none)")
-        if self.compute_answers not in COMPUTE_ANSWERS:
-            raise ValueError(f"HSTU_COMPUTE_ANSWERS={self.compute_answers!r}: expected one of {COMPUTE_ANSWERS}")
         if self.host_hit_copy not in HOST_HIT_COPIERS:
             raise ValueError(f"HSTU_HOST_HIT_COPY={self.host_hit_copy!r}: expected one of {HOST_HIT_COPIERS}")
         if self.min_host_pages == 0:

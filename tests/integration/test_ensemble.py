@@ -198,15 +198,11 @@ def test_bad_request_names_the_field(server: Server, reference, model: str) -> N
                             reference.score(1, [1, 2, 3], [0, 1, 2], [5]), TOLERANCE, "after the bad request")
 
 
-@pytest.fixture(scope="module", params=[("store", "returned"), ("reader", "returned"), ("reader", "thread")],
-                ids=["store-copies", "reader-copies", "reader-copies-answer-thread"])
+@pytest.fixture(scope="module", params=["store", "reader"], ids=["store-copies", "reader-copies"])
 def small_pool_server(request, tmp_path_factory):
     """A server whose pool holds only a few users' histories: eviction and onboarding happen; the
-    ensemble's host hits copied by the store, or by hstu_compute from the store's shared slab;
-    hstu_compute's answers returned from execute, or sent by its answer thread (the GPU's default)."""
-    host_hit_copy, compute_answers = request.param
-    srv = start_server(tmp_path_factory.mktemp("small"), pool_pages=96, host_hit_copy=host_hit_copy,
-                       compute_answers=compute_answers)
+    ensemble's host hits copied by the store, or by hstu_compute from the store's shared slab."""
+    srv = start_server(tmp_path_factory.mktemp("small"), pool_pages=96, host_hit_copy=request.param)
     try:
         yield srv
     finally:

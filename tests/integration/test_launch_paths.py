@@ -257,19 +257,6 @@ def test_cuda_graphs_travels_in_the_environment_and_a_bad_one_names_its_variable
         ServingSettings(cuda_graphs=-1)
 
 
-def test_compute_answers_travels_in_the_environment_and_a_bad_one_names_its_variable(tmp_path: Path) -> None:
-    """--compute-answers (HSTU_COMPUTE_ANSWERS): returned by default, and what hstu-serve sets is
-    what hstu_compute reads."""
-    from deploy.runtime.settings import ServingSettings
-
-    assert ServingSettings(run_dir=tmp_path).compute_answers == "returned"
-    env = ServingSettings(run_dir=tmp_path, compute_answers="thread").to_env()
-    assert env["HSTU_COMPUTE_ANSWERS"] == "thread"
-    assert ServingSettings.from_env(env).compute_answers == "thread"
-    with pytest.raises(ValueError, match="HSTU_COMPUTE_ANSWERS='sender'"):
-        ServingSettings(compute_answers="sender")
-
-
 def test_the_shipped_compute_version_serves_the_model_the_server_was_given(tmp_path: Path) -> None:
     """`hstu_compute/1/` holds the default model; a server given another (HSTU_MODEL_DIR, as
     `--model-config` sets it) must serve that one, and a rollout's version folder its own."""

@@ -31,7 +31,7 @@ from deploy import make_configs
 from deploy.launcher import build_model
 from deploy.metrics import scrape
 from deploy.processes import log_tail
-from deploy.runtime.settings import COMPUTE_ANSWERS, HOST_HIT_COPIERS, ServingSettings
+from deploy.runtime.settings import HOST_HIT_COPIERS, ServingSettings
 from tests.conftest import REPO_ROOT, LocalServer, launch_config, rendered_repository
 from tests.reliability.conftest import FAULT_POOL_PAGES, TOLERANCE, EndlessLoad, Users
 
@@ -51,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-host-pages", type=int, default=0,
                    help="the owner's --min-host-pages (default 0: the device's, 12 on cuda: most of this "
                         "workload's histories are shorter, so pass 2 there to copy host hits)")
-    p.add_argument("--compute-answers", choices=COMPUTE_ANSWERS, default=ServingSettings.compute_answers,
-                   help="how hstu_compute answers (hstu-serve's option of that name)")
     p.add_argument("--store-dram-bytes", type=int, default=512 << 20,
                    help="the host store's DRAM tier (default 512 MiB); smaller makes it evict and reuse rows that "
                         "hstu_compute copies host hits from")
@@ -62,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     # The disk tier bounded: an hour of stress wrote 20 GB of pages unbounded.
     server = LocalServer(launch_config(root, device=a.device, pool_pages=FAULT_POOL_PAGES, store_disk_dir=root / "disk",
                                        host_hit_copy=a.host_hit_copy, min_host_pages=a.min_host_pages,
-                                       compute_answers=a.compute_answers,
                                        store_dram_bytes=a.store_dram_bytes, store_disk_bytes=2 << 30,
                                        model_repository=rendered_repository(
                                            root, lifecycle_max_batch_size=a.lifecycle_max_batch_size)))
@@ -84,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = round(time.monotonic() - started, 1)
         wrong = _wrong_scores(load.served, a.tolerance)
         result = {"device": a.device, "lifecycle_max_batch_size": a.lifecycle_max_batch_size,
-                  "concurrency": a.concurrency, "compute_answers": a.compute_answers,
+                  "concurrency": a.concurrency,
                   "seconds": seconds, "requests": load.count + len(load.errors),
                   "failed": len(load.errors), "failures": [e[:300] for e in load.errors[:5]],
                   # answered with a retryable error and resent: an input corrupted in transit

@@ -28,14 +28,10 @@ request is computed: it reads what was copied and computes the rest (pages the s
 hold, or a failed or late copy, are computed; a copy that may still be running moves the request
 to fresh pages). The device hits' forward overlaps the copies' wait.
 
-Answers (HSTU_COMPUTE_ANSWERS): with `returned` (the default) `execute` waits for each forward's
-scores and returns the answers. With `thread` it launches each sub-batch's forward, checks the
-onboard copies it read, queues the scores' copy to the host and hands them to the answer thread
-(`deploy/runtime/answer_thread.py`), which sends each answer through its response sender once the
-scores are on the host; `execute` returns without waiting for the GPU, so the next batch's host
-work overlaps this one's GPU work. Errors are always returned. A batch with a store-copied host
-hit returns once that copy is settled (at most the owner's onboard wait). A plan that fails its
-checks is answered retryable; the scores go out sealed with a checksum row (`sealed_scores`).
+Answers: `execute` waits for each forward's scores and returns every answer in its list (a
+batch with a store-copied host hit returns once that copy is settled, at most the owner's onboard
+wait). A plan that fails its checks is answered retryable; the scores go out sealed with a
+checksum row (`sealed_scores`).
 
 Every compiled forward runs on the thread that calls `execute` (the stub's main thread: it runs
 one `execute` at a time); the settler only waits on the control plane, the answer thread only on
@@ -70,7 +66,6 @@ from compute.graphs import GRAPH_STATS_KEYS
 from deploy.runtime import published
 from deploy.runtime import sealed_scores
 from deploy.runtime.cache_owner import open_store_client
-from deploy.runtime.answer_thread import AnswerThread, ScoredBatch
 from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.onboard_reader import OnboardReader, QueuedOnboard
 from deploy.runtime.settings import ServingSettings
@@ -78,7 +73,6 @@ from deploy.runtime.triton_io import Reply, error_response, input_tensor, output
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.commit_channel import CommitSender
 from kvlifecycle.control import ControlClient, OnboardOutcome
-from kvlifecycle.gil import hand_over_gil_promptly
 from kvlifecycle.hashing import namespace_tag
 from kvlifecycle.pool import PagePool
 
@@ -114,10 +108,6 @@ class TritonPythonModel:
                                   *OnboardReader.STATS_KEYS],
                                  source=self._stats)
         self._settler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-compute-settler")
-        self.answers = None
-        if self.settings.compute_answers == "thread":
-            hand_over_gil_promptly()  # the answer thread seals and sends while execute runs
-            self.answers = AnswerThread(self._responses, self._abort, self.stages)
         self.reader = (OnboardReader(open_store_client(self.settings, self.page_size),
                                      pin_s=self.settings.timeouts.onboard_wait_s)
                        if self.settings.store == "embedded" else None)
@@ -134,7 +124,7 @@ class TritonPythonModel:
                     self.namespace[:12])
 
     def execute(self, requests):
-        pending = [ComputeRequest(request) for request in requests]
+        pending = [ComputeRequest() for _ in requests]
         try:
             ready, onboarding, reading = [], [], []
             for p, request in zip(pending, requests):
@@ -166,8 +156,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self._settler.shutdown()
-        if self.answers is not None:
-            self.answers.close()
         if self.reader is not None:
             self.reader.close()
             self.read_reports.close()
@@ -179,7 +167,7 @@ class TritonPythonModel:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _compute(self, items: list["ComputeRequest"]) -> None:
-        """Score `items` and answer each, or hand it to the answer thread (on `execute`'s thread only)."""
+        """Score `items` and answer each (on `execute`'s thread only)."""
         if not items:
             return
         # (queries, keys) of each request: the padded forward's cost grows with the largest of both.
@@ -201,27 +189,16 @@ class TritonPythonModel:
             intact = [self._read_intact(p) for p in members]
             again = [p for p, ok in zip(members, intact) if not ok]
             self._report_read(members)  # before the answers: kv_offload commits on them
-            candidates = [int(p.plan.candidates.numel()) for p in members]
-            if self.answers is not None:
-                host, ready = scores, None  # on the CPU the forward has run
-                if scores.is_cuda:
-                    host = scores.to("cpu", non_blocking=True)  # pinned: a copy queued behind the forward
-                    ready = torch.cuda.Event()
-                    ready.record()
-                self.answers.submit(ScoredBatch(ready, host, candidates,
-                                                [p.hand_over() if ok else None for p, ok in zip(members, intact)],
-                                                [p.plan.lease_id for p in members], started))
-            else:
-                # To the host: the copy waits for the KV writes queued before it (kv_offload commits
-                # them next), and a host tensor leaves the Python backend without a CUDA IPC handle.
-                responses = self._responses(scores.cpu(), candidates)
-                # each request it answers spent the whole call in compute (one computed again counts once, there)
-                seconds = time.perf_counter() - started
-                self.stages.add("compute", seconds, sum(intact))
-                self.stages.add("compute_call", seconds)
-                for p, ok, response in zip(members, intact, responses):
-                    if ok:
-                        p.answer(response)
+            # To the host: the copy waits for the KV writes queued before it (kv_offload commits
+            # them next), and a host tensor leaves the Python backend without a CUDA IPC handle.
+            responses = self._responses(scores.cpu(), [int(p.plan.candidates.numel()) for p in members])
+            # each request it answers spent the whole call in compute (one computed again counts once, there)
+            seconds = time.perf_counter() - started
+            self.stages.add("compute", seconds, sum(intact))
+            self.stages.add("compute_call", seconds)
+            for p, ok, response in zip(members, intact, responses):
+                if ok:
+                    p.answer(response)
             self._compute(again)
 
     def _stats(self) -> dict[str, float]:
@@ -367,24 +344,12 @@ class TritonPythonModel:
 
 
 class ComputeRequest(Reply):
-    """A request of a batch until it is answered (or handed to the answer thread), with its plan
-    once parsed."""
+    """A request of a batch until it is answered, with its plan once parsed."""
 
-    def __init__(self, request) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.request = request
-        self.handed_over = False  # to the answer thread: execute returns None for it
         self.plan: ComputePlan | None = None
         # a host hit read from the store's slab: its plan before that, and (the batch's queued copy, its index)
         self.unread_plan: ComputePlan | None = None
         self.read: tuple[QueuedOnboard, int] | None = None
         self.copied_pages = 0  # of them, the leading onboard pages the copy got right
-
-    def hand_over(self):
-        """Its response sender, for the answer thread; `execute` answers it no more."""
-        self.handed_over = True
-        return self.request.get_response_sender()
-
-    def answer(self, response) -> None:
-        if not self.handed_over:
-            super().answer(response)
