@@ -42,7 +42,10 @@ def _python_model(name: str, max_batch_size: int) -> str:
 
 def _dynamic_batching(queue_delay_us: int) -> str:
     # No delay by default: at low load a request never waits for company, and under load the
-    # batch forms anyway from what queued while the model's one instance was busy.
+    # batch forms anyway from what queued while the model's one instance was busy. kv_offload is
+    # the exception worth a flag (`offload_queue_delay_us`): hstu_compute returns a batch's answers
+    # together, but they reach kv_offload one by one, and with no delay its batcher starts on the
+    # first; a few hundred microseconds gather the whole batch into one execute.
     return f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}\n"
 
 
@@ -56,9 +59,9 @@ LIFECYCLE_MAX_BATCH_SIZE = 64
 
 def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_delay_us: int = 0,
            lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE, offload_instances: int = 1,
-           compute_instances: int = 1) -> dict[str, str]:
+           compute_instances: int = 1, offload_queue_delay_us: int | None = None) -> dict[str, str]:
     """config.pbtxt text of every model, keyed by model name. The ensemble's three steps are
-    batched models (`queue_delay_us`); hstu_compute takes up to `max_batch_size` requests per
+    batched models (`queue_delay_us`; kv_offload's `offload_queue_delay_us` when given); hstu_compute takes up to `max_batch_size` requests per
     execute, kv_lookup_alloc and kv_offload up to `lifecycle_max_batch_size` (see
     LIFECYCLE_MAX_BATCH_SIZE). deploy/runtime/schema.py says why the unbatched ensemble can feed them."""
     scores = schema.scores_spec(num_tasks)
@@ -93,7 +96,7 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
         _python_model(schema.OFFLOAD, lifecycle_max_batch_size)
         + _io("input", (*compute_out, schema.COMPUTE_PLAN, *schema.OFFLOAD_HISTORY_INPUTS), batched=True)
         + _io("output", (scores,), batched=True)
-        + _dynamic_batching(queue_delay_us)
+        + _dynamic_batching(queue_delay_us if offload_queue_delay_us is None else offload_queue_delay_us)
         # Any number: each instance commits through the owner and offloads with its own worker.
         + _instances("KIND_CPU", offload_instances)
     )
@@ -149,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--queue-delay-us", type=int, default=0)
+    p.add_argument("--queue-delay-us", type=int, default=0, help="every batched step's max queue delay (default 0)")
+    p.add_argument("--offload-queue-delay-us", type=int,
+                   help="kv_offload's own max queue delay (default: --queue-delay-us). 300 gathered each "
+                        "hstu_compute batch into one kv_offload execute on an H100 and served 2%% more at c=32, 6%% "
+                        "at c=128, one run each; it adds up to that delay to a lone request "
+                        "(docs/benchmarks/2026-12-07-h100-store-mapped-and-answer-thread-removed.md)")
     p.add_argument("--lifecycle-max-batch-size", type=int, default=LIFECYCLE_MAX_BATCH_SIZE,
                    help="requests per execute of kv_lookup_alloc and kv_offload (default %(default)s)")
     p.add_argument("--offload-instances", type=int, default=1,
@@ -163,8 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("offload_instances", "compute_instances"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected at least 1")
+    for name in ("queue_delay_us", "offload_queue_delay_us"):
+        if (getattr(a, name) or 0) < 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected >= 0 microseconds")
     write(a.repository, render(num_tasks_of(a.model_dir), a.device, a.max_batch_size, a.queue_delay_us,
-                               a.lifecycle_max_batch_size, a.offload_instances, a.compute_instances))
+                               a.lifecycle_max_batch_size, a.offload_instances, a.compute_instances,
+                               a.offload_queue_delay_us))
 
 
 if __name__ == "__main__":

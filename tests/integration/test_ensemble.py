@@ -230,11 +230,14 @@ def test_small_pool_serves_many_users_correctly_with_host_hits(small_pool_server
 
 
 def test_unloading_kv_offload_flushes_every_offload(tmp_path: Path, reference) -> None:
-    """With two kv_offload instances (`make_configs --offload-instances 2`): each commits and
-    offloads, their counters add up in one series, each reports its own queue depth, and
-    unloading the model flushes both."""
-    srv = start_server(tmp_path, model_control="explicit",
-                       model_repository=rendered_repository(tmp_path, offload_instances=2))
+    """With two kv_offload instances and a queue delay of their own (`make_configs
+    --offload-instances 2 --offload-queue-delay-us 300`): each commits and offloads, their counters
+    add up in one series, each reports its own queue depth, and unloading the model flushes both."""
+    repository = rendered_repository(tmp_path, offload_instances=2, offload_queue_delay_us=300)
+    delays = {step: re.search(r"max_queue_delay_microseconds: (\d+)", (repository / step / "config.pbtxt").read_text())[1]
+              for step in (LOOKUP, COMPUTE, OFFLOAD)}
+    assert delays == {LOOKUP: "0", COMPUTE: "0", OFFLOAD: "300"}, delays
+    srv = start_server(tmp_path, model_control="explicit", model_repository=repository)
     try:
         trace = generate(TraceConfig(num_users=8, num_requests=40, seed=6, initial_events_median=300))
         result = replay(trace, srv.grpc_url, model=ENSEMBLE, concurrency=4)
