@@ -463,14 +463,15 @@ class LeaseTable:
         need = num_pages - d
         device_set = set(device)
         free = self.pages.num_free
-        evictable = self.pages.num_available(device_set) - free
-        if need > free + evictable:
-            raise PoolExhausted(
-                f"user {ask.user_id}: need {need} free pages ({num_tokens} tokens, {d} pages "
-                f"cached on device) but only {free} are free and {evictable} "
-                f"evictable of {self.num_pages}; {self.pages.num_pinned()} committed pages are "
-                f"pinned by leases or offloads and {self._num_leased()} are leased"
-            )
+        if need > free:  # evicting: count what may go (a walk over this request's device pages)
+            evictable = self.pages.num_available(device_set) - free
+            if need > free + evictable:
+                raise PoolExhausted(
+                    f"user {ask.user_id}: need {need} free pages ({num_tokens} tokens, {d} pages "
+                    f"cached on device) but only {free} are free and {evictable} "
+                    f"evictable of {self.num_pages}; {self.pages.num_pinned()} committed pages are "
+                    f"pinned by leases or offloads and {self._num_leased()} are leased"
+                )
         self.pages.pin_many(device)
         lease_id = next(self._lease_ids)
         taken, evicted = self.pages.take(lease_id, need, device_set)
