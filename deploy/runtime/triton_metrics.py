@@ -103,7 +103,7 @@ _SERIES: dict[str, tuple[str, str, str, dict[str, str]]] = {
 # time it). Triton's own statistics give each model's queue time. compute_call is the one stage
 # counted per compiled call, not per request: hstu_compute splits a batch of unlike shapes into
 # several calls (plan_sub_batches), and compute's count over compute_call's is the requests per
-# call. With hstu_compute's answer thread, both run from the launch to the scores on the host.
+# call.
 STAGES = ("apply_commits", "lookup", "allocate", "onboard_launch", "onboard", "compute", "compute_call", "commit")
 for _stage in STAGES:
     _SERIES[f"stage_{_stage}_s_sum"] = ("hstu_kv_stage_seconds_sum", "counter",

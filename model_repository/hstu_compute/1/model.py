@@ -33,13 +33,13 @@ batch with a store-copied host hit returns once that copy is settled, at most th
 wait). A plan that fails its checks is answered retryable; the scores go out sealed with a
 checksum row (`sealed_scores`).
 
-Every compiled forward runs on the thread that calls `execute` (the stub's main thread: it runs
-one `execute` at a time); the settler only waits on the control plane, the answer thread only on
-the scores. One thread, because OpenMP (the CPU package's intra-op threads) gives each OS thread
-that starts a parallel region a thread team of its own, and with more team threads than cores
-every barrier sleeps instead of spinning: once a second thread had computed too, every call of
-the CPU package took 2.5x as long on the 2-core CPU machine. Computing on `execute`'s own thread rather than on a thread of its own
-is the simpler of the two, and measured no slower (docs/ARCHITECTURE.md, hstu_compute).
+Every compiled forward runs on the thread that calls `execute` (the stub's main thread: it runs one
+`execute` at a time); the settler only waits on the control plane. One thread, because OpenMP (the
+CPU package's intra-op threads) gives each OS thread that starts a parallel region a thread team of
+its own, and with more team threads than cores every barrier sleeps instead of spinning: once a
+second thread had computed too, every call of the CPU package took 2.5x as long on the 2-core CPU
+machine. Computing on `execute`'s own thread rather than on a thread of its own is the simpler of
+the two, and measured no slower (docs/ARCHITECTURE.md, hstu_compute).
 
 Versions (a rollout): a version folder that holds its own model (`hstu_config.json`, weights,
 AOTI package) serves that model; one without (the shipped `1/`, only this file) serves
