@@ -61,9 +61,10 @@ def render(num_tasks: int, device: str = "cpu", max_batch_size: int = 64, queue_
            lifecycle_max_batch_size: int = LIFECYCLE_MAX_BATCH_SIZE, offload_instances: int = 1,
            compute_instances: int = 1, offload_queue_delay_us: int | None = None) -> dict[str, str]:
     """config.pbtxt text of every model, keyed by model name. The ensemble's three steps are
-    batched models (`queue_delay_us`; kv_offload's `offload_queue_delay_us` when given); hstu_compute takes up to `max_batch_size` requests per
-    execute, kv_lookup_alloc and kv_offload up to `lifecycle_max_batch_size` (see
-    LIFECYCLE_MAX_BATCH_SIZE). deploy/runtime/schema.py says why the unbatched ensemble can feed them."""
+    batched models (`queue_delay_us`; kv_offload's own `offload_queue_delay_us` when given);
+    hstu_compute takes up to `max_batch_size` requests per execute, kv_lookup_alloc and kv_offload
+    up to `lifecycle_max_batch_size` (see LIFECYCLE_MAX_BATCH_SIZE). deploy/runtime/schema.py says
+    why the unbatched ensemble can feed them."""
     scores = schema.scores_spec(num_tasks)
     compute_out = schema.compute_outputs(num_tasks)
     gpu_kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
