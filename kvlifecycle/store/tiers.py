@@ -197,7 +197,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> file bytes
         self._bytes = 0  # sum of _index's values, kept as it changes (a bounded tier trims on every write)
-        self._queued: dict[bytes, int] = {}  # key -> queued count (held, not yet on disk)
+        self._queued: set[bytes] = set()  # queued for writing: held, not yet on disk
         self._queue: queue.Queue[tuple[list[bytes], torch.Tensor] | None] = queue.Queue(queue_batches)
         self.counters = collections.Counter[str]()
         self._scan()
@@ -223,11 +223,11 @@ class DiskTier:
         """Queue ``pages`` ([n, *page_shape], owned by the tier from now on) for writing.
         Returns False (and drops them) when the queue is full."""
         with self._lock:
-            fresh = [i for i, k in enumerate(keys) if k not in self._index]
+            # a page queued already is not queued again: its file would be written twice
+            fresh = [i for i, k in enumerate(keys) if k not in self._index and k not in self._queued]
             if not fresh:
                 return True
-            for i in fresh:
-                self._queued[keys[i]] = self._queued.get(keys[i], 0) + 1
+            self._queued.update(keys[i] for i in fresh)
         batch = ([keys[i] for i in fresh], pages[fresh] if len(fresh) < len(keys) else pages)
         try:
             self._queue.put_nowait(batch)
@@ -366,12 +366,7 @@ class DiskTier:
 
     def _unqueue(self, keys: list[bytes]) -> None:
         with self._lock:
-            for key in keys:
-                left = self._queued.get(key, 0) - 1
-                if left > 0:
-                    self._queued[key] = left
-                else:
-                    self._queued.pop(key, None)
+            self._queued.difference_update(keys)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

@@ -128,3 +128,16 @@ def test_a_put_of_a_page_another_thread_read_back_meanwhile_keeps_one_row_for_it
             assert torch.equal(out[:, got], pool[:, put]), f"pool page {put} read back wrong"
     finally:
         backing.close()
+
+
+def test_a_page_offered_again_before_or_after_its_write_is_written_once(tmp_path: Path) -> None:
+    """The same key offered twice (a put of a page the tier still holds queued, or already holds)
+    writes one file once."""
+    tier = DiskTier(tmp_path / "disk", PAGE_SHAPE, torch.float32)
+    key = b"k" * 16
+    assert tier.write_behind([key], _page(1.0)) and tier.write_behind([key], _page(1.0))
+    assert tier.flush(timeout_s=10)
+    assert tier.write_behind([key], _page(1.0))
+    assert tier.close(timeout_s=10)
+    assert tier.counters["written_pages"] == 1 and tier.holds(key) and len(tier) == 1
+    assert torch.equal(tier.read(key)[None], _page(1.0))
