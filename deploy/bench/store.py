@@ -3,7 +3,9 @@
 the same bytes between the pool and host memory, and their ratio; each store in `--stores`, one
 after the other, in one run. Two ways per size: one call at a time (each waited for: a request's
 latency, fixed costs included) and streaming (every call submitted, then all waited for: the
-bandwidth a loaded server gets), each against the torch copies done the same way.
+bandwidth a loaded server gets), each against the torch copies done the same way. Each store's bare round trip (a `ping`) is
+printed first: one call at a time pays two of them (the submit and the waiting poll) on top of
+the server's own work, which bounds that ratio at small sizes whatever the copy costs.
 
     .venv/bin/python -m deploy.bench.store [--device cpu|cuda] [--stores embedded flexkv]
         [--layers 8 --heads 4 --head-dim 64 --page-size 32 --dtype float32] [--repeats 20]
@@ -65,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             proc, store = _open(kind, pool, dram_bytes)
             try:
                 _warm_up(store, spec)
+                round_trip_ms = _round_trip_ms(store)
+                print(f"{kind:>8}: a bare round trip to the store process (ping) {round_trip_ms:.3f} ms, median of "
+                      f"{ROUND_TRIPS}")
                 for n in PAGES_PER_CALL:
-                    rows.append({"store": kind, **_measure(store, pool, spec, n, calls)})
+                    rows.append({"store": kind, "round_trip_ms": round_trip_ms, **_measure(store, pool, spec, n, calls)})
                     print(_format(rows[-1]))
             finally:
                 store.close()
@@ -111,6 +116,19 @@ def _warm_up(store: Any, spec: PoolSpec) -> None:
         get = store.get_async(seq, slots_for_pages([1], spec.page_size).numpy(), "bench-warm-up",
                               np.ones(spec.page_size, dtype=bool))
         store.wait([get], timeout_s=60)
+
+
+ROUND_TRIPS = 200
+
+
+def _round_trip_ms(store: Any) -> float:
+    """Median milliseconds of a `ping` to the store process: the floor of any call to it."""
+    samples = []
+    for _ in range(ROUND_TRIPS):
+        t0 = time.perf_counter()
+        assert store.ping(), "the store process stopped answering"
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples)) * 1e3
 
 
 def _measure(store: Any, pool: PagePool, spec: PoolSpec, n: int, calls: int) -> dict[str, Any]:
