@@ -3,9 +3,10 @@
 the same bytes between the pool and host memory, and their ratio; each store in `--stores`, one
 after the other, in one run. Two ways per size: one call at a time (each waited for: a request's
 latency, fixed costs included) and streaming (every call submitted, then all waited for: the
-bandwidth a loaded server gets), each against the torch copies done the same way. Each store's bare round trip (a `ping`) is
-printed first: one call at a time pays two of them (the submit and the waiting poll) on top of
-the server's own work, which bounds that ratio at small sizes whatever the copy costs.
+bandwidth a loaded server gets), each against the torch copies done the same way. Each store's
+bare round trip (a `ping`) is printed first: one call at a time pays two of them (the submit and
+the waiting poll) on top of the server's own work, which bounds that ratio at small sizes
+whatever the copy costs.
 
     .venv/bin/python -m deploy.bench.store [--device cpu|cuda] [--stores embedded flexkv]
         [--layers 8 --heads 4 --head-dim 64 --page-size 32 --dtype float32] [--repeats 20]
