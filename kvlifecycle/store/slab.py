@@ -32,11 +32,11 @@ A reader may miss a page the store holds (a probe that crossed a slot the store 
 that costs a ``locate`` or a recompute, never a wrong page. The order of the stores above is
 what readers rely on: x86-64 keeps stores, and loads, in program order.
 
-On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), so the
-store's offload copies run at pinned speed; the registration maps it into the device's address
-space too, and the reader's onboard copies read the rows there in place (``copy_rows``). Where no
-memfd can be made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private
-(the reader's ``locate`` is then refused and host hits take the store's copy path).
+On a CUDA host both processes register the mapping with CUDA (``cudaHostRegister``), which maps
+it into the device's address space too: the store's own copies write and read the rows there in
+place, and the reader's onboard copies read them there (``copy_rows``). Where no memfd can be
+made, ``create`` raises ``SlabUnavailable`` and the store keeps its DRAM tier private (the
+reader's ``locate`` is then refused and host hits take the store's copy path).
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ class SharedSlab:
         self._mask = layout.slots - 1
         self._registered = _cuda_register(flat) if pin else None
         self._flat = flat
-        # The rows as the reader's copy addresses them: on a CUDA host, the registered rows mapped into
-        # the device's address space (its kernels read them in place, `PageCopier.scatter`), else the host view.
+        # The rows as the copies address them (the store's, `DramTier.copy_rows`, and the reader's): on a
+        # CUDA host, the registered rows mapped into the device's address space (`PageCopier`'s kernels
+        # read and write them in place), else the host view.
         self.copy_rows = self.rows
         if self._registered is not None:
             mapped = _device_view(flat[:layout.rows_bytes])
