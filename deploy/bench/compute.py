@@ -21,6 +21,11 @@ are: served with graphs on, such batches took longer than with graphs off. The m
 (``/tmp/hstu-bench-compute-<config>`` by default) with ``max_history_events`` raised to 4,096, so
 the served model is never touched. Prints a table and writes
 ``compute-<date>-<device>-<config>.json`` under ``--report-dir`` (default ``deploy/reports/``).
+
+``--kernels`` (CUDA) also traces one direct call of the package per case with the PyTorch
+profiler and prints how many kernels it launched, their summed GPU time against the call's wall
+time, and the costliest kernels: whether a call is bound by launches (few microseconds of work
+per kernel, the sum well under the wall time) or by the GPU's work.
 """
 
 from __future__ import annotations
@@ -119,6 +124,27 @@ def call_peak_bytes(run: Runner, pool: torch.Tensor, batch: PagedBatch) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
+def kernel_profile(run: Runner, pool: torch.Tensor, batch: PagedBatch, top: int = 5) -> dict:
+    """One traced call after a warm-up: its kernel count, their summed GPU time, its wall time,
+    and the ``top`` kernels by total time (name, calls, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run(pool, batch)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        started = time.perf_counter()
+        run(pool, batch)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    kernels = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]  # copies included
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
+    costliest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {"kernels": len(kernels), "kernel_ms": sum(sum(times) for times in by_name.values()), "wall_ms": wall_ms,
+            "top": [{"name": name[:80], "calls": len(times), "ms": sum(times)} for name, times in costliest]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -127,6 +153,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (median reported)")
     parser.add_argument("--model-dir", type=Path, help="scratch model folder (default: /tmp/hstu-bench-compute-<config>)")
     parser.add_argument("--report-dir", type=Path, default=REPORTS)
+    parser.add_argument("--kernels", action="store_true",
+                        help="CUDA: trace one direct call per case (kernel count, GPU time, costliest kernels)")
     options = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -167,6 +195,10 @@ def main() -> int:
         cases.append(row)
         print(f"  {case.name:<16} " + "   ".join(f"{name} {row[f'{name}_ms']:8.2f} ms" for name in runners) + padded,
               flush=True)
+        if cuda and options.kernels:
+            row["kernel_profile"] = k = kernel_profile(runners["aoti"], pool, batch)
+            print(f"    {k['kernels']} kernels, {k['kernel_ms']:.2f} ms of GPU time in a {k['wall_ms']:.2f} ms call; "
+                  + "; ".join(f"{t['name'][:48]} x{t['calls']} {t['ms']:.3f} ms" for t in k["top"]), flush=True)
     del pool
 
     sweep = []
