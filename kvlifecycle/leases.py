@@ -559,10 +559,9 @@ class LeaseTable:
             committed += 1
         if lease.partial_page is not None:
             self.pages.free(lease.partial_page, lease_id)
-        self.pages.unpin_many(lease.device_pages)
         # Most recent use last; page 0 of the chain ends up most recent, so leaves are
-        # evicted before the prefix they hang on.
-        self.pages.touch(reversed(row[:num_full]))
+        # evicted before the prefix they hang on. The device pages are among them.
+        self.pages.unpin_and_touch(lease.device_pages, reversed(row[:num_full]))
         self.counters["commits"] += 1
         self.counters["committed_pages"] += committed
         return Committed(lease_id, lease.namespace, tuple(items))

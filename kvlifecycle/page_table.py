@@ -214,6 +214,16 @@ class PageTable:
             if refs[page] == 0:
                 lru[page] = None
 
+    def unpin_and_touch(self, pinned: Iterable[int], used: Iterable[int]) -> None:
+        """``unpin_many(pinned)`` then ``touch(used)``, where ``used`` holds every page of
+        ``pinned`` (a commit: the lease's device pages, then its whole row): each page moves in
+        the LRU once, by ``touch``, instead of once more by the unpin."""
+        refs = self._refs
+        for page in pinned:
+            assert refs[page] > 0, f"unpin: expected refs > 0 on page {page}, got {refs[page]}"
+            refs[page] -= 1
+        self.touch(used)
+
     def touch(self, pages: Iterable[int]) -> None:
         """Mark unreferenced committed pages as used now, in order (the last is the most recent)."""
         refs, lru, state, committed = self._refs, self._lru, self._state, PageState.COMMITTED
