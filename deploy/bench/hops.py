@@ -8,8 +8,15 @@ lifecycle steps are (dynamic batching, no queue delay, ragged input, one instanc
 tritonserver on loopback, and runs perf_analyzer on two ensembles of them: one step
 (`hops_1`) and three steps in a chain (`hops_3`, as `hstu_ranking` chains kv_lookup_alloc,
 hstu_compute and kv_offload). Half the difference of their p50 at c=1 is what one added step
-costs when its model does nothing: each step's own work comes on top. Prints each point and
-writes `hops-<date>-<machine>.json`.
+costs when its model does nothing: each step's own work comes on top.
+
+A third ensemble is `hstu_ranking` with no work in it (`hstu_ranking` in the output): the
+served configs (`deploy.make_configs.render`: the same tensors, batching and instances) over
+models that only read their inputs and answer outputs of the real sizes (a plan of about the
+real one's size, the sealed scores, the scores), driven by the profile's synthetic trace (128
+users, about 300 events). Its throughput is the ceiling of the served shape on this host: what
+`hstu_ranking` would serve if its steps' own work cost nothing. Prints each point and writes
+`hops-<date>-<machine>.json`.
 """
 from __future__ import annotations
 
@@ -21,10 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deploy import trace as trace_module
 from deploy.bench.perf_analyzer import run_perf_analyzer
 from deploy.bench.report import write_dated_report
 from deploy.launcher import wait_until_ready
+from deploy.make_configs import render, write
 from deploy.processes import free_loopback_ports
+from deploy.runtime import schema
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
@@ -46,6 +56,42 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(output_tensors=[y]))
         return responses
 '''
+
+# The served steps with no work: each reads its inputs as the serving model does
+# (`deploy.runtime.triton_io.input_tensors`) and answers an output of the real size.
+EMPTY_STEP = '''
+import torch
+import triton_python_backend_utils as pb_utils
+
+from deploy.runtime.triton_io import input_tensors, output_tensor
+
+INPUTS = {inputs!r}
+NUM_TASKS = {num_tasks}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[output_tensor({output!r}, self.answer(*input_tensors(r, INPUTS)))])
+                for r in requests]
+
+    @staticmethod
+    def answer(*inputs):
+{answer}
+'''
+EMPTY_ANSWERS = {
+    # a plan: its candidates' count, the candidates, and a page row's worth of ids (1 per 16 events)
+    schema.LOOKUP: ((*schema.ENSEMBLE_INPUTS,), "compute_plan",
+                    "        user, items, actions, candidates = inputs\n"
+                    "        c = candidates.reshape(-1)\n"
+                    "        return torch.cat([torch.tensor([c.numel()]), c, torch.zeros(items.numel() // 16, dtype=torch.int64)]).reshape(1, -1)"),
+    # the sealed scores: c rows and the checksum row
+    schema.COMPUTE: ((schema.COMPUTE_PLAN,), "candidate_scores",
+                     "        (plan,) = inputs\n"
+                     "        return torch.zeros(1, int(plan[0, 0]) + 1, NUM_TASKS)"),
+    schema.OFFLOAD: (None, "scores",
+                     "        sealed = inputs[0]\n"
+                     "        return sealed[:, :-1]"),
+}
 
 STEP_CONFIG = '''name: "{name}"
 backend: "python"
@@ -81,6 +127,17 @@ def write_repository(root: Path) -> dict[str, int]:
     return {name: len(steps) for name, steps in ensembles.items()}
 
 
+def write_empty_ranking(root: Path, num_tasks: int = 3) -> None:
+    """`hstu_ranking` and its three steps under `root`, the steps' models doing no work."""
+    configs = render(num_tasks)
+    write(root, {name: configs[name] for name in (schema.ENSEMBLE, schema.LOOKUP, schema.COMPUTE, schema.OFFLOAD)})
+    offload_inputs = (*schema.compute_outputs(num_tasks), schema.COMPUTE_PLAN, *schema.OFFLOAD_HISTORY_INPUTS)
+    for name, (inputs, output, answer) in EMPTY_ANSWERS.items():
+        names = tuple(spec.name for spec in (inputs or offload_inputs))
+        (root / name / "1" / "model.py").write_text(EMPTY_STEP.format(inputs=names, num_tasks=num_tasks, output=output,
+                                                                      answer=answer))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
@@ -95,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hstu-hops-") as tmp:
         root = Path(tmp)
         steps = write_repository(root / "models")
+        write_empty_ranking(root / "models")
+        steps[schema.ENSEMBLE] = 3
         data = root / "data.json"
         data.write_text(json.dumps({"data": [{"x": {"content": list(range(1, INPUT_LEN + 1)), "shape": [1, INPUT_LEN]}}]}))
+        ranking_data = root / "ranking-data.json"  # the profile's trace (deploy.bench.profile)
+        ranking_data.write_text(json.dumps(trace_module.perf_analyzer_data(trace_module.generate(
+            trace_module.TraceConfig(num_users=128, num_requests=2048, initial_events_median=300)))))
         http, grpc, metrics = free_loopback_ports(3)
         log = root / "tritonserver.log"
         with log.open("w") as log_file:
@@ -115,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in a.concurrency:
                 for _ in range(a.rounds):
                     for model in steps:
-                        r = run_perf_analyzer(f"127.0.0.1:{grpc}", model, concurrency, data,
+                        r = run_perf_analyzer(f"127.0.0.1:{grpc}", model, concurrency,
+                                              ranking_data if model == schema.ENSEMBLE else data,
                                               root / f"{model}-c{concurrency}.csv", a.interval_ms)
                         if r.error:
                             raise RuntimeError(f"perf_analyzer {model} c={concurrency}: {r.error}")
