@@ -40,23 +40,17 @@ def input_tensor(request, name: str) -> torch.Tensor:
     return torch.from_dlpack(tensor.to_dlpack()).clone()
 
 
-def input_tensors(request, names: tuple[str, ...]) -> list[torch.Tensor]:
-    """``input_tensor`` of each of ``names``, the request's inputs listed once (each
-    ``get_input_tensor_by_name`` lists them all again)."""
+def input_tensors(request, names: tuple[str, ...], views: tuple[str, ...] = ()) -> list[torch.Tensor]:
+    """``input_tensor`` of each of ``names``, then a zero-copy view of each of ``views``, the
+    request's inputs listed once (each ``get_input_tensor_by_name`` lists them all again). A view
+    is valid only while `execute` runs: for reading a few values at once (kv_offload reads one
+    value of a whole plan), never to keep."""
     given = {tensor.name(): tensor for tensor in request.inputs()}
-    missing = [name for name in names if name not in given]
+    missing = [name for name in (*names, *views) if name not in given]
     if missing:
         raise BadRequest(f"missing input '{missing[0]}'")
-    return [torch.from_dlpack(given[name].to_dlpack()).clone() for name in names]
-
-
-def input_view(request, name: str) -> torch.Tensor:
-    """A zero-copy view of the input, valid only while `execute` runs: for reading a few values
-    at once (kv_offload reads one value of a whole plan), never to keep."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        raise BadRequest(f"missing input '{name}'")
-    return torch.from_dlpack(tensor.to_dlpack())
+    return ([torch.from_dlpack(given[name].to_dlpack()).clone() for name in names]
+            + [torch.from_dlpack(given[name].to_dlpack()) for name in views])
 
 
 def output_tensor(name: str, value: torch.Tensor) -> "pb_utils.Tensor":

@@ -26,7 +26,7 @@ from deploy.runtime.compute_plan import ComputePlan
 from deploy.runtime.cache_owner import open_store_client, pool_spec
 from kvlifecycle.gil import hand_over_gil_promptly
 from deploy.runtime.settings import ServingSettings
-from deploy.runtime.triton_io import error_response, input_tensors, input_view, output_tensor
+from deploy.runtime.triton_io import error_response, input_tensors, output_tensor
 from deploy.runtime.triton_metrics import KVMetrics, StageTimer, stage_keys
 from kvlifecycle.stats_keys import OFFLOAD_PUBLISHED
 from kvlifecycle import ops
@@ -65,9 +65,10 @@ class TritonPythonModel:
         lease_ids, histories = [], []  # of the requests read
         for i, request in enumerate(requests):
             try:
-                sealed, items, actions = input_tensors(request, ("candidate_scores", "item_ids", "action_ids"))
+                sealed, items, actions, plan = input_tensors(request, ("candidate_scores", "item_ids", "action_ids"),
+                                                             views=("compute_plan",))
                 scores = sealed_scores.unseal(sealed[0])  # [c, num_tasks]
-                lease_ids.append(ComputePlan.lease_id_of(input_view(request, "compute_plan")))
+                lease_ids.append(ComputePlan.lease_id_of(plan))
                 histories.append((items.reshape(-1), actions.reshape(-1)))
             except Exception as e:
                 logger.error("kv_offload: malformed request", exc_info=True)
