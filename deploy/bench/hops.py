@@ -30,14 +30,17 @@ from pathlib import Path
 
 from deploy import trace as trace_module
 from deploy.bench.perf_analyzer import run_perf_analyzer
+from deploy.bench.profile import ms_per_execute
 from deploy.bench.report import write_dated_report
 from deploy.launcher import wait_until_ready
 from deploy.make_configs import render, write
 from deploy.processes import free_loopback_ports
+from deploy.server_stats import hop_stats, read_model_stats
 from deploy.runtime import schema
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
+RANKING_STEPS = (schema.LOOKUP, schema.COMPUTE, schema.OFFLOAD)
 STEPS = ("hop_a", "hop_b", "hop_c")
 INPUT_LEN = 64  # int64 ids per request, about a compute plan's size class
 
@@ -177,22 +180,30 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in a.concurrency:
                 for _ in range(a.rounds):
                     for model in steps:
+                        before = read_model_stats(f"127.0.0.1:{http}")
                         r = run_perf_analyzer(f"127.0.0.1:{grpc}", model, concurrency,
                                               ranking_data if model == schema.ENSEMBLE else data,
                                               root / f"{model}-c{concurrency}.csv", a.interval_ms)
                         if r.error:
                             raise RuntimeError(f"perf_analyzer {model} c={concurrency}: {r.error}")
-                        results.append({"model": model, "steps": steps[model], "concurrency": concurrency,
-                                        "req_s": r.throughput, "p50_ms": r.percentile_ms[50], "p99_ms": r.p99_ms})
+                        row = {"model": model, "steps": steps[model], "concurrency": concurrency,
+                               "req_s": r.throughput, "p50_ms": r.percentile_ms[50], "p99_ms": r.p99_ms}
                         print(f"{model} ({steps[model]} step{'s' if steps[model] > 1 else ''}) c={concurrency}: "
                               f"{r.throughput:.0f} req/s, p50 {r.percentile_ms[50]:.3f} ms, p99 {r.p99_ms:.3f} ms")
+                        if model == schema.ENSEMBLE:  # each empty step's batches, as deploy.bench.profile prints
+                            hops = hop_stats(before, read_model_stats(f"127.0.0.1:{http}"), RANKING_STEPS)
+                            row["steps_batch"] = {name: {"mean_batch": hop.mean_batch_size, "ms_per_execute": ms_per_execute(hop)}
+                                                  for name, hop in hops.items()}
+                            print("   " + "; ".join(f"{name} batch {hop.mean_batch_size:.1f}, {ms_per_execute(hop):.2f} ms "
+                                                    "per execute" for name, hop in hops.items()))
+                        results.append(row)
         finally:
             triton.terminate()
             triton.wait(timeout=60)
-    c1 = {row["steps"]: row["p50_ms"] for row in results if row["concurrency"] == 1}  # the last round's
+    c1 = {row["model"]: row["p50_ms"] for row in results if row["concurrency"] == 1}  # the last round's
     summary = {}
-    if 1 in c1 and 3 in c1:
-        summary["ms_per_added_step_c1"] = (c1[3] - c1[1]) / 2
+    if "hops_1" in c1 and "hops_3" in c1:
+        summary["ms_per_added_step_c1"] = (c1["hops_3"] - c1["hops_1"]) / 2
         print(f"one added step costs {summary['ms_per_added_step_c1']:.3f} ms at c=1 (p50, last round)")
     write_dated_report(a.report_dir, "hops", platform.machine(),
                        {"machine": platform.processor() or platform.machine(), "command": sys.argv,
