@@ -35,8 +35,8 @@ from deploy.bench.report import write_dated_report
 from deploy.launcher import wait_until_ready
 from deploy.make_configs import render, write
 from deploy.processes import free_loopback_ports
-from deploy.server_stats import hop_stats, read_model_stats
 from deploy.runtime import schema
+from deploy.server_stats import hop_stats, read_model_stats
 from deploy.triton_env import find_triton, install_stub, triton_env
 
 REPORTS = Path(__file__).resolve().parents[1] / "reports"
@@ -191,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{model} ({steps[model]} step{'s' if steps[model] > 1 else ''}) c={concurrency}: "
                               f"{r.throughput:.0f} req/s, p50 {r.percentile_ms[50]:.3f} ms, p99 {r.p99_ms:.3f} ms")
                         if model == schema.ENSEMBLE:  # each empty step's batches, as deploy.bench.profile prints
-                            hops = hop_stats(before, read_model_stats(f"127.0.0.1:{http}"), RANKING_STEPS)
+                            by_step = hop_stats(before, read_model_stats(f"127.0.0.1:{http}"), RANKING_STEPS)
                             row["steps_batch"] = {name: {"mean_batch": hop.mean_batch_size, "ms_per_execute": ms_per_execute(hop)}
-                                                  for name, hop in hops.items()}
+                                                  for name, hop in by_step.items()}
                             print("   " + "; ".join(f"{name} batch {hop.mean_batch_size:.1f}, {ms_per_execute(hop):.2f} ms "
-                                                    "per execute" for name, hop in hops.items()))
+                                                    "per execute" for name, hop in by_step.items()))
                         results.append(row)
         finally:
             triton.terminate()
